@@ -1,0 +1,1 @@
+"""The Transformer from first principles: layers, the two models, tokenizers, checkpoints, training."""

@@ -1,0 +1,95 @@
+"""Scaled dot-product attention and multi-head attention (one module for self- and cross-attention).
+
+Masks follow torch's convention: a boolean mask is True where a query may attend to a key;
+a float mask is added to the scores (ALiBi biases, -inf for blocked keys).
+"""
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.positions import apply_rope
+
+
+class SelfAttentionCache(Protocol):
+    """A layer's key/value store: writes the new keys/values, returns every key/value to attend to."""
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, dropout: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """softmax(Q K^T / sqrt(d_k)) V, written out; returns (output, attention weights).
+
+    q: (B, H, Tq, D); k, v: (B, H, Tk, D); mask broadcastable to (B, H, Tq, Tk).
+    Returns (B, H, Tq, D) and (B, H, Tq, Tk).
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = scores.softmax(dim=-1)
+    if dropout > 0.0:
+        weights = F.dropout(weights, p=dropout)
+    return weights @ v, weights
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: h heads of scaled dot-product attention over learned projections."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        assert d_model % n_heads == 0, "d_model must be divisible by n_heads"
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        # The fused kernel (torch SDPA) serves; the explicit path returns weights and is the reference.
+        self.use_sdpa = True
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+
+    def project_key_value(self, source: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of the attended sequence, (B, H, S, D) each; computed once per source."""
+        return self._split_heads(self.k_proj(source)), self._split_heads(self.v_proj(source))
+
+    def forward(
+        self,
+        x: Tensor,
+        key_value: tuple[Tensor, Tensor] | None = None,
+        mask: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        cache: SelfAttentionCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x: (B, T, d_model) queries. key_value: projected keys/values for cross-attention
+        (from `project_key_value`); None means self-attention over x (and the cache, if given).
+        rope: (cos, sin) at the query positions, (B, 1, T, D), applied to self-attention queries and keys.
+        Returns (B, T, d_model) and the weights (B, H, T, S) when asked for.
+        """
+        B, T, _ = x.shape
+        q = self._split_heads(self.q_proj(x))  # (B, H, T, D)
+        if key_value is None:
+            k, v = self.project_key_value(x)  # (B, H, T, D)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if cache is not None:
+                k, v = cache.update(k, v)  # (B, H, S, D): everything this sequence may attend to
+        else:
+            k, v = key_value
+        dropout = self.dropout if self.training else 0.0
+        weights = None
+        if self.use_sdpa and not need_weights:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        else:
+            out, weights = scaled_dot_product_attention(q, k, v, mask, dropout)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, d_model)
+        return self.out_proj(out), weights

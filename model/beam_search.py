@@ -1,0 +1,115 @@
+"""Beam search for the translator, batched across sentences, with cache reordering.
+
+`BeamState` is the per-sentence bookkeeping (live beams, finished hypotheses); the offline
+`beam_search` drives many of them over one preallocated cache, and the serving engine drives
+them the same way over its slots.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.kv_cache import KVCache
+from model.masks import padding_mask
+from model.tokenizer import BOS_ID, EOS_ID
+from model.translator import Translator
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # generated ids, without bos/eos
+    score: float  # sum of log-probabilities / length ** length_penalty
+
+
+class BeamState:
+    """Live beams of one sentence. Finishes when beam_size hypotheses have ended (early stopping)
+    or max_new_tokens is reached."""
+
+    def __init__(self, beam_size: int, max_new_tokens: int, length_penalty: float = 1.0) -> None:
+        self.beam_size = beam_size
+        self.max_new_tokens = max_new_tokens
+        self.length_penalty = length_penalty
+        self.scores = torch.full((beam_size,), float("-inf"))
+        self.scores[0] = 0.0  # all beams start identical: expand only the first
+        self.sequences: list[list[int]] = [[] for _ in range(beam_size)]
+        self.finished: list[Hypothesis] = []
+        self.done = False
+
+    def _normalised(self, score: float, length: int) -> float:
+        return score / (length**self.length_penalty)
+
+    def step(self, log_probs: Tensor) -> tuple[Tensor, Tensor]:
+        """log_probs: (K, V) for the live beams. Returns (parents, tokens), each (K,): live beam i
+        continues beam parents[i] with tokens[i]."""
+        K, V = log_probs.shape
+        candidates = (self.scores[:, None] + log_probs.float().cpu()).view(-1)  # (K * V,)
+        top_scores, top_index = candidates.topk(2 * K)
+        parents, tokens, scores = [], [], []
+        for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_index.tolist(), strict=True)):
+            parent, token = divmod(index, V)
+            if token == EOS_ID:
+                if rank < K:  # an ending only counts if it is among the K best candidates
+                    sequence = self.sequences[parent]
+                    self.finished.append(Hypothesis(sequence, self._normalised(score, len(sequence) + 1)))
+                continue
+            parents.append(parent)
+            tokens.append(token)
+            scores.append(score)
+            if len(parents) == K:
+                break
+        self.sequences = [self.sequences[p] + [t] for p, t in zip(parents, tokens, strict=True)]
+        self.scores = torch.tensor(scores)
+        if len(self.finished) >= K or len(self.sequences[0]) >= self.max_new_tokens:
+            self.done = True
+        return torch.tensor(parents), torch.tensor(tokens)
+
+    def best(self, n: int) -> list[Hypothesis]:
+        """The n best hypotheses; unfinished beams count when fewer than n have ended."""
+        pool = list(self.finished)
+        if len(pool) < n:
+            pool += [
+                Hypothesis(s, self._normalised(float(sc), len(s) + 1)) for s, sc in zip(self.sequences, self.scores.tolist(), strict=True)
+            ]
+        return sorted(pool, key=lambda h: h.score, reverse=True)[:n]
+
+
+@torch.no_grad()
+def beam_search(
+    model: Translator, src: Tensor, beam_size: int, max_new_tokens: int, length_penalty: float = 1.0, n_best: int = 1
+) -> list[list[Hypothesis]]:
+    """Translates src (B, S) right-padded; returns the n_best hypotheses of each sentence."""
+    B, K = src.shape[0], beam_size
+    c = model.config
+    max_new_tokens = min(max_new_tokens, c.max_len - 1)
+    memory = model.encode(src).repeat_interleave(K, dim=0)  # (B*K, S, d)
+    memory_kv = model.cross_key_values(memory)
+    src_mask = padding_mask(src, c.pad_id).repeat_interleave(K, dim=0)  # (B*K, 1, 1, S)
+    n_layers = len(model.decoder_layers)
+    cache = KVCache(n_layers, B * K, c.n_heads, max_new_tokens + 1, c.head_dim, src.device, memory.dtype)
+    states = [BeamState(K, max_new_tokens, length_penalty) for _ in range(B)]
+    tokens = torch.full((B * K,), BOS_ID, dtype=torch.long, device=src.device)
+    for t in range(max_new_tokens):
+        active = [i for i, s in enumerate(states) if not s.done]
+        if not active:
+            break
+        rows = torch.cat([torch.arange(i * K, (i + 1) * K) for i in active]).to(src.device)  # (A*K,)
+        positions = torch.full((len(rows), 1), t, device=src.device)
+        logits = model.decode(
+            tokens[rows][:, None],
+            [(k[rows], v[rows]) for k, v in memory_kv],
+            src_mask[rows],
+            positions=positions,
+            caches=list(cache.views(rows, positions, t + 1)),
+            cache_length=t + 1,
+        )  # (A*K, 1, V)
+        log_probs = F.log_softmax(logits[:, -1].float(), dim=-1).view(len(active), K, -1)
+        src_rows, new_tokens = [], []
+        for j, i in enumerate(active):
+            parents, step_tokens = states[i].step(log_probs[j])
+            src_rows.append(parents + i * K)
+            new_tokens.append(step_tokens)
+        cache.copy_slots(torch.cat(src_rows).to(src.device), rows)
+        tokens[rows] = torch.cat(new_tokens).to(src.device)
+    return [s.best(n_best) for s in states]

@@ -1,0 +1,63 @@
+"""Checkpoint folders: config.json, model.safetensors, tokenizer.model, training.json. Nothing is unpickled."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from model.config import GeneratorConfig, ModelConfig, TranslatorConfig
+from model.generator import Generator
+from model.tokenizer import Tokenizer
+from model.translator import Translator
+
+CHECKPOINTS = Path(__file__).parent / "checkpoints"
+DEFAULT_TRANSLATOR = CHECKPOINTS / "translator-en-de"
+DEFAULT_GENERATOR = CHECKPOINTS / "generator-shakespeare"
+
+Model = Translator | Generator
+
+
+def build_model(config: ModelConfig) -> Model:
+    if isinstance(config, TranslatorConfig):
+        return Translator(config)
+    if isinstance(config, GeneratorConfig):
+        return Generator(config)
+    raise TypeError(f"no model for {type(config).__name__}")
+
+
+def save_checkpoint(
+    directory: Path,
+    model: Model,
+    tokenizer: Tokenizer,
+    training: dict[str, Any],
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Writes the folder; dtype (e.g. torch.float16) shrinks the stored weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    state = {name: t.detach().to(dtype or t.dtype).contiguous() for name, t in model.state_dict().items()}
+    save_file(state, str(directory / "model.safetensors"))
+    tokenizer.save(directory / "tokenizer.model")
+    (directory / "training.json").write_text(json.dumps(training, indent=2) + "\n")
+
+
+def load_config(directory: Path) -> ModelConfig:
+    data = json.loads((directory / "config.json").read_text())
+    configs: dict[str, type[ModelConfig]] = {"TranslatorConfig": TranslatorConfig, "GeneratorConfig": GeneratorConfig}
+    return configs[data["architecture"]].from_dict(data)
+
+
+def load_checkpoint(directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Model, Tokenizer]:
+    """The model in eval mode on device, in dtype, and its tokenizer."""
+    model = build_model(load_config(directory))
+    state = load_file(str(directory / "model.safetensors"))
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model.to(device=device, dtype=dtype).eval()
+    return model, Tokenizer.load(directory / "tokenizer.model")
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

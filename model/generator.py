@@ -1,0 +1,60 @@
+"""Decoder-only Transformer language model, laid out as GPT-NeoX (sequential residual, rotary positions)."""
+
+import torch
+from torch import Tensor, nn
+
+from model.attention import SelfAttentionCache
+from model.config import GeneratorConfig
+from model.layers import DecoderLayer
+from model.masks import causal_mask, positions_mask
+from model.positions import PositionEncoder
+
+
+class Generator(nn.Module):
+    def __init__(self, config: GeneratorConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.positions = PositionEncoder(c.positions, c.max_len, c.d_model, c.n_heads)
+        self.dropout = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.activation, c.norm_first, cross_attention=False)
+            for _ in range(c.n_layers)
+        )
+        self.final_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(
+        self,
+        ids: Tensor,
+        positions: Tensor | None = None,
+        caches: list[SelfAttentionCache] | None = None,
+        cache_length: int = 0,
+    ) -> Tensor:
+        """Next-token logits (B, T, vocab) for every position of ids (B, T).
+
+        Without caches, ids is the whole (right-padded) sequence from position 0. With caches,
+        ids are new tokens at `positions` (B, T), attending to cache_length cached keys.
+        """
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        if caches is None:
+            mask = causal_mask(T, ids.device)
+            key_positions = positions
+        else:
+            mask = positions_mask(positions, cache_length)
+            key_positions = torch.arange(cache_length, device=ids.device).expand(B, cache_length)
+        mask = self.positions.bias(mask, positions, key_positions)
+        rope = self.positions.rope(positions)
+        x = self.dropout(self.positions.embed(self.embed(ids), positions))  # (B, T, d)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, rope, caches[i] if caches is not None else None)
+        return self.final_norm(x) @ self.embed.weight.T  # tied output projection

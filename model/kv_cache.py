@@ -1,0 +1,105 @@
+"""Preallocated key/value caches with fixed shapes, written in place at given positions.
+
+Every decode step sees tensors of the same shape (slots x heads x max_len x head_dim per
+layer), so memory is bounded by configuration and the GPU path can capture the step.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class CacheView:
+    """One layer's cache, bound to the rows (slots) and positions of the current step."""
+
+    keys: Tensor  # (N, H, L, D) the layer's whole cache
+    values: Tensor
+    slots: Tensor  # (B,) cache rows of the batch
+    positions: Tensor  # (B, T) positions of the new tokens
+    length: int  # keys [0, length) are returned to attend over
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v: (B, H, T, D) for the new tokens. Returns (B, H, length, D) each."""
+        rows = self.slots[:, None]  # (B, 1) broadcast against positions (B, T)
+        self.keys[rows, :, self.positions] = k.transpose(1, 2).to(self.keys.dtype)  # indexed as (B, T, H, D)
+        self.values[rows, :, self.positions] = v.transpose(1, 2).to(self.values.dtype)
+        return self.keys[self.slots, :, : self.length], self.values[self.slots, :, : self.length]
+
+
+class KVCache:
+    """Self-attention keys/values for n_slots sequences of up to max_len tokens, every layer."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_heads: int,
+        max_len: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (n_slots, n_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.n_slots, self.max_len = n_slots, max_len
+
+    def views(self, slots: Tensor, positions: Tensor, length: int) -> list[CacheView]:
+        """Per-layer views for a step writing `positions` (B, T) of rows `slots` (B,)."""
+        assert length <= self.max_len and int(positions.max()) < self.max_len, "position beyond the cache"
+        return [CacheView(k, v, slots, positions, length) for k, v in zip(self.keys, self.values, strict=True)]
+
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Row dst[i] becomes a copy of row src[i] (beam search reordering); sources are read first."""
+        for cache in self.keys + self.values:
+            cache[dst] = cache[src]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+class CrossAttentionCache:
+    """The translator's cross-attention keys/values per slot, computed once from the encoder output."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_heads: int,
+        max_src_len: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (n_slots, n_heads, max_src_len, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.src_valid = torch.zeros(n_slots, max_src_len, dtype=torch.bool, device=device)
+        self.max_src_len = max_src_len
+
+    def write(self, slots: Tensor, memory_kv: list[tuple[Tensor, Tensor]], src_valid: Tensor) -> None:
+        """memory_kv: per layer (B, H, S, D); src_valid: (B, S) True at real source tokens."""
+        S = src_valid.shape[1]
+        assert self.max_src_len >= S, "source longer than the cross-attention cache"
+        for (k, v), keys, values in zip(memory_kv, self.keys, self.values, strict=True):
+            keys[slots, :, :S] = k.to(keys.dtype)
+            values[slots, :, :S] = v.to(values.dtype)
+        self.src_valid[slots] = False
+        self.src_valid[slots, :S] = src_valid
+
+    def read(self, slots: Tensor, length: int) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+        """Keys/values (B, H, length, D) per layer and the source mask (B, 1, 1, length)."""
+        kv = [(k[slots, :, :length], v[slots, :, :length]) for k, v in zip(self.keys, self.values, strict=True)]
+        return kv, self.src_valid[slots, :length][:, None, None, :]
+
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        for cache in self.keys + self.values:
+            cache[dst] = cache[src]
+        self.src_valid[dst] = self.src_valid[src]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

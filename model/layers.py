@@ -1,0 +1,94 @@
+"""The boxes of the Transformer diagram: feed-forward, encoder layer, decoder layer, pre-/post-LN residuals."""
+
+from collections.abc import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.attention import MultiHeadAttention, SelfAttentionCache
+from model.config import Activation
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = W2 act(W1 x + b1) + b2, applied to each position alike."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: Activation, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+        self.activation = F.relu if activation == "relu" else F.gelu
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+
+
+class Residual(nn.Module):
+    """x + Sublayer(x) with its LayerNorm: before the sublayer (pre-LN) or after the sum (post-LN, the paper)."""
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        if self.norm_first:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention over the source, then feed-forward."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, activation: Activation, norm_first: bool) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
+        self.feed_forward = FeedForward(d_model, d_ff, activation, dropout)
+        self.attn_residual = Residual(d_model, dropout, norm_first)
+        self.ff_residual = Residual(d_model, dropout, norm_first)
+
+    def forward(self, x: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """x: (B, S, d_model); mask: (B, 1, 1|S, S). Returns (B, S, d_model)."""
+        x = self.attn_residual(x, lambda h: self.self_attn(h, mask=mask, rope=rope)[0])
+        return self.ff_residual(x, self.feed_forward)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention over the encoder output (encoder-decoder only), feed-forward."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        dropout: float,
+        activation: Activation,
+        norm_first: bool,
+        cross_attention: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
+        self.attn_residual = Residual(d_model, dropout, norm_first)
+        self.src_attn = MultiHeadAttention(d_model, n_heads, dropout) if cross_attention else None
+        self.src_residual = Residual(d_model, dropout, norm_first) if cross_attention else None
+        self.feed_forward = FeedForward(d_model, d_ff, activation, dropout)
+        self.ff_residual = Residual(d_model, dropout, norm_first)
+
+    def forward(
+        self,
+        x: Tensor,
+        self_mask: Tensor | None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        cache: SelfAttentionCache | None = None,
+        memory_kv: tuple[Tensor, Tensor] | None = None,
+        memory_mask: Tensor | None = None,
+    ) -> Tensor:
+        """x: (B, T, d_model). memory_kv: this layer's cross-attention keys/values (B, H, S, D).
+        Returns (B, T, d_model)."""
+        x = self.attn_residual(x, lambda h: self.self_attn(h, mask=self_mask, rope=rope, cache=cache)[0])
+        if self.src_attn is not None and self.src_residual is not None:
+            assert memory_kv is not None, "an encoder-decoder layer needs the encoder output"
+            src_attn = self.src_attn
+            x = self.src_residual(x, lambda h: src_attn(h, key_value=memory_kv, mask=memory_mask)[0])
+        return self.ff_residual(x, self.feed_forward)

@@ -1,0 +1,45 @@
+"""Language-model scoring: total negative log-likelihood of a text, per character and per token."""
+
+import torch
+import torch.nn.functional as F
+
+from model.data import pad
+from model.generator import Generator
+from model.tokenizer import Tokenizer
+
+
+@torch.no_grad()
+def nats_per_char(model: Generator, tokenizer: Tokenizer, text: str, device: torch.device, batch_size: int = 32) -> dict[str, float]:
+    """Scores every token of text but the first, each with at least max_len/2 tokens of context
+    (windows of max_len tokens sliding by half a window).
+
+    Per character divides by the characters those tokens cover, so tokenizers compare.
+    """
+    ids = tokenizer.encode(text)
+    window = model.config.max_len
+    stride = window // 2
+    spans: list[tuple[int, int, int]] = []  # (begin, end, first scored target index)
+    scored_upto = 1
+    for begin in range(0, len(ids) - 1, stride):
+        end = min(begin + window + 1, len(ids))
+        spans.append((begin, end, scored_upto))
+        scored_upto = end
+        if end == len(ids):
+            break
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, len(spans), batch_size):
+        chunk = spans[start : start + batch_size]
+        inputs = pad([ids[b : e - 1] for b, e, _ in chunk]).to(device)  # (B, T)
+        log_probs = F.log_softmax(model(inputs).float(), dim=-1)  # (B, T, V)
+        for row, (begin, end, first) in enumerate(chunk):
+            targets = torch.tensor(ids[first:end], device=device)
+            positions = torch.arange(first - 1 - begin, end - 1 - begin, device=device)
+            total_nll -= float(log_probs[row, positions, targets].sum())
+            total_tokens += len(targets)
+    first_token_chars = len(tokenizer.piece_bytes(ids[0]).decode("utf-8", errors="replace"))
+    return {
+        "nats_per_char": total_nll / (len(text) - first_token_chars),
+        "nats_per_token": total_nll / total_tokens,
+        "tokens": float(total_tokens),
+        "characters": float(len(text)),
+    }

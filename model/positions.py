@@ -1,0 +1,104 @@
+"""Positional information: sinusoidal tables (Vaswani et al.), RoPE (Su et al.), ALiBi (Press et al.)."""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)). Shape (max_len, d_model)."""
+    assert d_model % 2 == 0, "d_model must be even"
+    position = torch.arange(max_len, dtype=torch.float64)[:, None]  # (L, 1)
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq)
+    return table.float()
+
+
+def rope_tables(max_len: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos and sin tables for rotary embeddings in the rotate-half layout (GPT-NeoX, Llama).
+
+    Returns two tensors of shape (max_len, head_dim).
+    """
+    assert head_dim % 2 == 0, "head_dim must be even"
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (D/2,)
+    angles = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (L, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (L, D)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotates each (x_i, x_{i+D/2}) pair of x by its position's angle.
+
+    x: (B, H, T, D); cos, sin: (B, 1, T, D) already gathered at the tokens' positions.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (B, H, T, D)
+    return x * cos + rotated * sin
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """Head-specific slopes 2^(-8h/n) of ALiBi; for n not a power of two, the paper's interleaving."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return torch.tensor(power_of_two_slopes(n_heads))
+    closest = 2 ** math.floor(math.log2(n_heads))
+    extra = power_of_two_slopes(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(power_of_two_slopes(closest) + extra)
+
+
+def alibi_bias(slopes: Tensor, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+    """Linear distance penalty -slope * (q - k), added to attention scores.
+
+    slopes: (H,); query_positions: (B, Tq); key_positions: (B, Tk). Returns (B, H, Tq, Tk).
+    """
+    distance = (query_positions[:, :, None] - key_positions[:, None, :]).abs()  # (B, Tq, Tk)
+    return -slopes[None, :, None, None] * distance[:, None, :, :].to(slopes.dtype)
+
+
+class PositionEncoder(nn.Module):
+    """Applies the configured kind of positional information; the other two hooks are no-ops.
+
+    sinusoidal: added to the token embeddings; rope: rotates queries and keys; alibi: biases scores.
+    """
+
+    def __init__(self, kind: str, max_len: int, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.table: Tensor
+        self.cos: Tensor
+        self.sin: Tensor
+        self.slopes: Tensor
+        if kind == "sinusoidal":
+            self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+        elif kind == "rope":
+            cos, sin = rope_tables(max_len, d_model // n_heads)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+        elif kind == "alibi":
+            self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
+        else:
+            raise ValueError(f"unknown positional encoding {kind!r}")
+
+    def embed(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x: (B, T, d_model) token embeddings; positions: (B, T)."""
+        return x + self.table[positions] if self.kind == "sinusoidal" else x
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor] | None:
+        """(cos, sin) at positions (B, T), each (B, 1, T, head_dim)."""
+        if self.kind != "rope":
+            return None
+        return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def bias(self, mask: Tensor, query_positions: Tensor, key_positions: Tensor) -> Tensor:
+        """Folds ALiBi's distance penalty into a boolean mask; returns the mask unchanged otherwise."""
+        if self.kind != "alibi":
+            return mask
+        bias = alibi_bias(self.slopes, query_positions, key_positions)  # (B, H, Tq, Tk)
+        return bias.masked_fill(~mask, float("-inf"))

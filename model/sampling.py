@@ -1,0 +1,54 @@
+"""Choosing the next token: greedy, or sampling with temperature, top-k and top-p (nucleus).
+
+Each request carries its own torch.Generator, so a seeded request draws the same tokens
+whatever else shares its batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means all tokens
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Sets logits outside the top-k / top-p nucleus to -inf. logits: (V,) already divided by temperature."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # the most likely token always stays
+        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+    return logits
+
+
+def sample_next(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
+    """One next token per row. logits: (B, V) -> (B,) token ids.
+
+    NaN or infinite logits (a poisoned row) fall back to the row's argmax of the finite values.
+    """
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    tokens = logits.argmax(-1)  # (B,)
+    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
+        if p.greedy:
+            continue
+        filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
+        probs = filtered.softmax(-1)
+        if not bool(torch.isfinite(probs).all()):
+            continue
+        # Draw on the CPU generator so the same seed gives the same token on every device.
+        tokens[row] = torch.multinomial(probs.cpu(), 1, generator=generator).to(tokens.device)[0]
+    return tokens

@@ -1,0 +1,284 @@
+"""Training for both models.
+
+    python -m model.train translator --out runs/translator --minutes 90
+    python -m model.train generator --out runs/generator --minutes 90
+
+Resumes from <out>/state.pt when it exists; keeps the best checkpoint by validation score in
+<out>/best (BLEU for the translator, nats per character for the generator).
+"""
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import sacrebleu
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from model.checkpoint import count_parameters, save_checkpoint
+from model.config import GeneratorConfig, TranslatorConfig
+from model.data import (
+    SHARED_DATA,
+    collate_pairs,
+    encode_pairs,
+    file_sha256,
+    lm_windows,
+    pad,
+    read_lines,
+    split_shakespeare,
+    token_budget_batches,
+)
+from model.generator import Generator
+from model.lm_scoring import nats_per_char
+from model.reference_decoding import greedy_translate_uncached
+from model.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from model.translator import Translator
+
+
+def inverse_sqrt_schedule(warmup: int) -> Callable[[int], float]:
+    """Linear warm-up, then decay as 1/sqrt(step) (Vaswani et al.)."""
+    return lambda step: min((step + 1) / warmup, math.sqrt(warmup / (step + 1)))
+
+
+def cosine_schedule(warmup: int, total: int, floor: float = 0.1) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@torch.no_grad()
+def validate_translator(model: Translator, tokenizer: Tokenizer, sources: list[str], references: list[str], device: torch.device) -> float:
+    """Greedy sacreBLEU on the validation set."""
+    model.eval()
+    hypotheses = [""] * len(sources)
+    src_ids = tokenizer.encode_batch(sources)
+    order = sorted(range(len(sources)), key=lambda i: len(src_ids[i]))
+    for start in range(0, len(order), 128):
+        chunk = order[start : start + 128]
+        src = pad([src_ids[i][: model.config.max_len - 1] + [EOS_ID] for i in chunk]).to(device)
+        for i, ids in zip(chunk, greedy_translate_uncached(model, src, max_new_tokens=2 * src.shape[1] + 10), strict=True):
+            hypotheses[i] = tokenizer.decode(ids)
+    model.train()
+    return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+
+
+class Trainer:
+    """The shared loop: steps, schedule, clipping, periodic validation, best-keeping, resume."""
+
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, tokenizer: Tokenizer, schedule: Callable[[int], float]) -> None:
+        self.args = args
+        self.device = pick_device()
+        self.model = model.to(self.device)
+        self.tokenizer = tokenizer
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.out = Path(args.out)
+        self.step = 0
+        self.elapsed = 0.0  # training seconds over all runs (resumes included)
+        self.best: float | None = None
+        self.history: list[dict[str, float]] = []
+        state_path = self.out / "state.pt"
+        if state_path.exists():
+            state = torch.load(state_path, map_location=self.device, weights_only=True)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+            self.best = state["best"]
+            self.history = json.loads(state["history"])
+            print(f"resumed from {state_path} at step {self.step}", flush=True)
+
+    def save_state(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "elapsed": self.elapsed,
+            "best": self.best,
+            "history": json.dumps(self.history),
+        }
+        torch.save(state, self.out / "state.tmp")
+        (self.out / "state.tmp").replace(self.out / "state.pt")
+
+    def run(
+        self,
+        next_batch: Callable[[int], tuple[torch.Tensor, ...]],
+        loss_of: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, int]],
+        validate: Callable[[], float],
+        higher_is_better: bool,
+        training_info: Callable[[], dict[str, Any]],
+    ) -> None:
+        args = self.args
+        deadline = time.monotonic() + args.minutes * 60
+        self.model.train()
+        bar = tqdm(total=args.max_steps, initial=self.step, mininterval=args.progress_seconds, file=sys.stdout)
+        while self.step < args.max_steps and time.monotonic() < deadline:
+            started = time.monotonic()
+            batch = tuple(t.to(self.device) for t in next_batch(self.step))
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+                loss, n_tokens = loss_of(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            seconds = time.monotonic() - started
+            self.elapsed += seconds
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{n_tokens / seconds:.0f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
+            if self.step % args.eval_every == 0 or self.step == args.max_steps or time.monotonic() >= deadline:
+                score = validate()
+                self.history.append(
+                    {"step": self.step, "minutes": round(self.elapsed / 60, 1), "loss": round(loss.item(), 4), "val": round(score, 4)}
+                )
+                improved = self.best is None or (score > self.best if higher_is_better else score < self.best)
+                print(f"\nstep {self.step} val {score:.4f} {'(best)' if improved else ''}", flush=True)
+                if improved:
+                    self.best = score
+                    save_checkpoint(self.out / "best", self.model, self.tokenizer, training_info())  # type: ignore[arg-type]
+                self.save_state()
+        bar.close()
+
+
+def common_info(args: argparse.Namespace, trainer: Trainer, data_files: list[Path]) -> dict[str, Any]:
+    return {
+        "command": "python -m model.train " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "data": {str(p.relative_to(p.parents[1])): file_sha256(p) for p in data_files},
+        "steps": trainer.step,
+        "training_minutes": round(trainer.elapsed / 60, 1),
+        "device": str(trainer.device),
+        "torch_threads": torch.get_num_threads(),
+        "parameters": count_parameters(trainer.model),
+        "seed": args.seed,
+        "validation_history": trainer.history,
+    }
+
+
+def train_translator(args: argparse.Namespace) -> None:
+    data = Path(args.data) / "multi30k"
+    files = [data / f"{split}.{lang}.gz" for split in ("train", "val") for lang in ("en", "de")]
+    train_en, train_de, val_en, val_de = (read_lines(f) for f in files)
+    tokenizer = Tokenizer.train(train_en + train_de, args.vocab_size)
+    config = TranslatorConfig.preset(args.preset)
+    assert config.vocab_size == tokenizer.vocab_size
+    torch.manual_seed(args.seed)
+    model = Translator(config)
+    trainer = Trainer(args, model, tokenizer, inverse_sqrt_schedule(args.warmup))
+    pairs = encode_pairs(tokenizer, train_en, train_de, config.max_len - 1)
+    epoch_batches: dict[int, list[list[int]]] = {}
+
+    def next_batch(step: int) -> tuple[torch.Tensor, ...]:
+        # Deterministic in the step: resuming replays the same batch order.
+        epoch, index = 0, step
+        while True:
+            if epoch not in epoch_batches:
+                epoch_batches.clear()
+                epoch_batches[epoch] = token_budget_batches(pairs, args.batch_tokens, args.seed + epoch)
+            if index < len(epoch_batches[epoch]):
+                break
+            index -= len(epoch_batches[epoch])
+            epoch += 1
+        b = collate_pairs([pairs[i] for i in epoch_batches[epoch][index]])
+        return b.src, b.tgt_in, b.tgt_out
+
+    def loss_of(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
+        src, tgt_in, tgt_out = batch
+        logits = model(src, tgt_in)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=PAD_ID, label_smoothing=args.label_smoothing)
+        return loss, int((tgt_out != PAD_ID).sum())
+
+    def info() -> dict[str, Any]:
+        return {**common_info(args, trainer, files), "best_val_bleu_greedy": trainer.best}
+
+    trainer.run(next_batch, loss_of, lambda: validate_translator(model, tokenizer, val_en, val_de, trainer.device), True, info)
+
+
+def train_generator(args: argparse.Namespace) -> None:
+    path = Path(args.data) / "tinyshakespeare" / "train.txt"
+    train_text, val_text = split_shakespeare(path.read_text(encoding="utf-8"))
+    paragraphs = [p + "\n\n" for p in train_text.split("\n\n")]
+    tokenizer = Tokenizer.train(paragraphs, args.vocab_size, keep_layout=True)
+    config = GeneratorConfig.preset(args.preset)
+    assert config.vocab_size == tokenizer.vocab_size
+    torch.manual_seed(args.seed)
+    model = Generator(config)
+    trainer = Trainer(args, model, tokenizer, cosine_schedule(args.warmup, args.max_steps))
+    train_ids = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
+
+    def next_batch(step: int) -> tuple[torch.Tensor, ...]:
+        return lm_windows(train_ids, config.max_len, args.batch_size, torch.Generator().manual_seed(args.seed * 1_000_003 + step))
+
+    def loss_of(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()), y.numel()
+
+    def validate() -> float:
+        model.eval()
+        score = nats_per_char(model, tokenizer, val_text, trainer.device)["nats_per_char"]
+        model.train()
+        return score
+
+    def info() -> dict[str, Any]:
+        return {**common_info(args, trainer, [path]), "validation": "last 10% of train.txt", "best_val_nats_per_char": trainer.best}
+
+    trainer.run(next_batch, loss_of, validate, False, info)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", choices=["translator", "generator"])
+    parser.add_argument("--data", default=str(SHARED_DATA), help="folder holding multi30k/ and tinyshakespeare/")
+    parser.add_argument("--out", required=True, help="run folder: state.pt (resume) and best/ (checkpoint)")
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--minutes", type=float, default=60.0, help="stop after this much wall time")
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--weight-decay", type=float, default=None)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--label-smoothing", type=float, default=0.1)
+    parser.add_argument("--batch-tokens", type=int, default=4000, help="translator: source tokens per batch")
+    parser.add_argument("--batch-size", type=int, default=16, help="generator: windows per batch")
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--progress-seconds", type=float, default=1.0, help="progress bar refresh interval")
+    args = parser.parse_args()
+    translator = args.model == "translator"
+    defaults = {
+        "preset": "multi30k-small" if translator else "shakespeare-small",
+        "max_steps": 100_000 if translator else 4000,
+        "warmup": 400 if translator else 100,
+        "weight_decay": 0.01 if translator else 0.1,
+        "vocab_size": 8000 if translator else 2000,
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    (train_translator if translator else train_generator)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Offline translation of many sentences: sorted by length, batched, greedy or beam search."""
+
+import torch
+from torch import Tensor
+
+from model.beam_search import beam_search
+from model.data import pad
+from model.kv_cache import KVCache
+from model.masks import padding_mask
+from model.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from model.translator import Translator
+
+
+def max_new_tokens_for(source_length: int, max_len: int) -> int:
+    """Target length cap for a source of source_length tokens (German runs longer than English)."""
+    return min(2 * source_length + 10, max_len - 1)
+
+
+@torch.no_grad()
+def greedy_translate(model: Translator, src: Tensor, max_new_tokens: int) -> list[list[int]]:
+    """Greedy translation of src (B, S) with the KV cache; the cross-attention keys/values are
+    computed once. Returns each sentence's ids without bos/eos."""
+    B = src.shape[0]
+    c = model.config
+    max_new_tokens = min(max_new_tokens, c.max_len - 1)
+    memory_kv = model.cross_key_values(model.encode(src))
+    src_mask = padding_mask(src, c.pad_id)
+    cache = KVCache(len(model.decoder_layers), B, c.n_heads, max_new_tokens + 1, c.head_dim, src.device, memory_kv[0][0].dtype)
+    slots = torch.arange(B, device=src.device)
+    tokens = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    out: list[list[int]] = [[] for _ in range(B)]
+    for t in range(max_new_tokens):
+        positions = torch.full((B, 1), t, device=src.device)
+        logits = model.decode(tokens[:, None], memory_kv, src_mask, positions, list(cache.views(slots, positions, t + 1)), t + 1)
+        tokens = logits[:, -1].argmax(-1).masked_fill(done, EOS_ID)  # (B,)
+        for i, token in enumerate(tokens.tolist()):
+            if not done[i] and token != EOS_ID:
+                out[i].append(token)
+        done |= tokens == EOS_ID
+        if bool(done.all()):
+            break
+    return out
+
+
+def translate_sentences(
+    model: Translator,
+    tokenizer: Tokenizer,
+    sentences: list[str],
+    beam_size: int = 1,
+    length_penalty: float = 1.0,
+    batch_size: int = 64,
+    n_best: int = 1,
+) -> list[list[str]]:
+    """n_best translations of each sentence (greedy when beam_size is 1), in input order."""
+    device = next(model.parameters()).device
+    ids = [s[: model.config.max_len - 1] + [EOS_ID] for s in tokenizer.encode_batch(sentences)]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    results: list[list[str]] = [[] for _ in sentences]
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        src = pad([ids[i] for i in chunk]).to(device)
+        limit = max_new_tokens_for(src.shape[1], model.config.max_len)
+        if beam_size == 1:
+            outputs = [[tokens] for tokens in greedy_translate(model, src, limit)]
+        else:
+            outputs = [[h.tokens for h in hyps] for hyps in beam_search(model, src, beam_size, limit, length_penalty, n_best)]
+        for i, hyps in zip(chunk, outputs, strict=True):
+            results[i] = [tokenizer.decode(tokens) for tokens in hyps]
+    return results

@@ -1,0 +1,107 @@
+"""Encoder-decoder Transformer for translation (Vaswani et al. 2017), laid out as MarianMT.
+
+Post-LN layers, sinusoidal positions, one embedding table shared by source, target and the
+output projection, embeddings scaled by sqrt(d_model).
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from model.attention import SelfAttentionCache
+from model.config import TranslatorConfig
+from model.layers import DecoderLayer, EncoderLayer
+from model.masks import causal_mask, padding_mask, positions_mask
+from model.positions import PositionEncoder
+
+
+class Translator(nn.Module):
+    def __init__(self, config: TranslatorConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.embed = nn.Embedding(c.vocab_size, c.d_model, padding_idx=c.pad_id)
+        self.embed_scale = math.sqrt(c.d_model)
+        self.positions = PositionEncoder(c.positions, c.max_len, c.d_model, c.n_heads)
+        self.dropout = nn.Dropout(c.dropout)
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.activation, c.norm_first) for _ in range(c.n_encoder_layers)
+        )
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.activation, c.norm_first, cross_attention=True)
+            for _ in range(c.n_decoder_layers)
+        )
+        # Pre-LN stacks end with a LayerNorm; post-LN ones are already normalised.
+        self.encoder_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            # N(0, d^-1/2): scaled by sqrt(d) the inputs have unit variance and tied logits start small.
+            nn.init.normal_(module.weight, std=self.config.d_model**-0.5)
+            nn.init.zeros_(module.weight[self.config.pad_id])
+
+    def _embed(self, ids: Tensor, positions: Tensor) -> Tensor:
+        return self.dropout(self.positions.embed(self.embed(ids) * self.embed_scale, positions))  # (B, T, d)
+
+    def encode(self, src_ids: Tensor) -> Tensor:
+        """src_ids: (B, S), right-padded with pad_id. Returns the encoder output (B, S, d_model)."""
+        B, S = src_ids.shape
+        positions = torch.arange(S, device=src_ids.device).expand(B, S)
+        mask = self.positions.bias(padding_mask(src_ids, self.config.pad_id), positions, positions)
+        rope = self.positions.rope(positions)
+        x = self._embed(src_ids, positions)
+        for layer in self.encoder_layers:
+            x = layer(x, mask, rope)
+        return self.encoder_norm(x)
+
+    def cross_key_values(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each decoder layer's cross-attention keys/values, (B, H, S, D): computed once per source."""
+        kv = []
+        for layer in self.decoder_layers:
+            assert isinstance(layer, DecoderLayer) and layer.src_attn is not None
+            kv.append(layer.src_attn.project_key_value(memory))
+        return kv
+
+    def decode(
+        self,
+        tgt_ids: Tensor,
+        memory_kv: list[tuple[Tensor, Tensor]],
+        src_mask: Tensor,
+        positions: Tensor | None = None,
+        caches: list[SelfAttentionCache] | None = None,
+        cache_length: int = 0,
+    ) -> Tensor:
+        """Next-token logits for every target position, (B, T, vocab).
+
+        tgt_ids: (B, T) starting with bos. memory_kv from `cross_key_values`; src_mask (B, 1, 1, S).
+        Without caches the whole prefix is given; with caches, tgt_ids are the new tokens at
+        `positions` (B, T) and keys come from the caches (cache_length keys each).
+        """
+        B, T = tgt_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=tgt_ids.device).expand(B, T)
+        if caches is None:
+            self_mask = causal_mask(T, tgt_ids.device)
+            key_positions = positions
+        else:
+            self_mask = positions_mask(positions, cache_length)
+            key_positions = torch.arange(cache_length, device=tgt_ids.device).expand(B, cache_length)
+        self_mask = self.positions.bias(self_mask, positions, key_positions)
+        rope = self.positions.rope(positions)
+        x = self._embed(tgt_ids, positions)
+        for i, layer in enumerate(self.decoder_layers):
+            cache = caches[i] if caches is not None else None
+            x = layer(x, self_mask, rope, cache, memory_kv[i], src_mask)
+        return self.decoder_norm(x) @ self.embed.weight.T  # tied output projection
+
+    def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
+        """Teacher-forced logits (B, T, vocab) for target inputs tgt_ids given source src_ids."""
+        memory = self.encode(src_ids)
+        return self.decode(tgt_ids, self.cross_key_values(memory), padding_mask(src_ids, self.config.pad_id))

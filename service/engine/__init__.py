@@ -1,0 +1,1 @@
+"""Continuous (iteration-level) batching over the models of `model/`. No Ray, no HTTP here."""

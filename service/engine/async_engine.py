@@ -1,0 +1,143 @@
+"""The async front: callers submit from an event loop and read an async stream of deltas while one
+thread runs the step loop (torch releases the GIL, so the event loop stays responsive)."""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from service.engine.engine import Engine, StepError
+from service.engine.errors import EngineDeadError, QueueFullError
+from service.engine.request import Delta, GenerationParams, Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request: Request
+    deltas: "asyncio.Queue[Delta]"
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Owns an Engine and the thread that steps it. All engine state is touched by that thread only;
+    callers talk to it through an inbox."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.Queue[Delta], asyncio.AbstractEventLoop]] = {}
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._pending = 0  # submitted, not yet taken from the inbox
+        self._pending_lock = threading.Lock()
+        self.last_heartbeat = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + self._pending
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    async def submit(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Validates and queues at once (raising InvalidRequestError or QueueFullError before any
+        model work), then returns the request's delta stream. Leaving the stream early (a client
+        disconnect cancels the reader) aborts the request at the next step."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        self.engine.validate(prompt_ids, params.max_tokens, params.beam_size, params.n_best)
+        with self._pending_lock:
+            if self.num_waiting() >= self.engine.config.max_waiting:
+                raise QueueFullError(f"waiting queue full ({self.engine.config.max_waiting} requests)")
+            self._pending += 1
+        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params)
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        self._inbox.put(_Submit(request, deltas, asyncio.get_running_loop()))
+        self._wakeup.set()
+        return self._stream(request.request_id, deltas)
+
+    async def _stream(self, request_id: str, deltas: "asyncio.Queue[Delta]") -> AsyncIterator[Delta]:
+        finished = False
+        try:
+            while not finished:
+                delta = await deltas.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+        self._wakeup.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _Abort):
+                self.engine.abort(message.request_id)
+                continue
+            with self._pending_lock:
+                self._pending -= 1
+            try:
+                self.engine.add_request(message.request)
+            except Exception as error:  # validated at submit; a race with the queue bound is all that is left
+                delta = Delta(message.request.request_id, "", [], "error", error=str(error))
+                message.loop.call_soon_threadsafe(message.deltas.put_nowait, delta)
+                continue
+            self._streams[message.request.request_id] = (message.deltas, message.loop)
+
+    def _publish(self, deltas: list[Delta]) -> None:
+        for delta in deltas:
+            target = self._streams.get(delta.request_id)
+            if target is None:
+                continue
+            stream, loop = target
+            if delta.finish_reason is not None:
+                del self._streams[delta.request_id]
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, delta)
+            except RuntimeError:  # the caller's event loop has closed: nobody is reading
+                self._streams.pop(delta.request_id, None)
+                self.engine.abort(delta.request_id)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self.last_heartbeat = time.monotonic()
+            self._drain_inbox()
+            if not self.engine.has_work:
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except StepError as error:
+                deltas = error.deltas  # that step's requests failed; the loop goes on
+            except Exception:
+                log.exception("engine step raised outside the model; continuing")
+                continue
+            self._publish(deltas)

@@ -1,0 +1,68 @@
+"""What a request asks for, its progress through the engine, and what it streams back."""
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal
+
+import torch
+
+from model.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What to produce. beam_size > 1 (translator only) returns n_best hypotheses at the end
+    instead of streaming tokens."""
+
+    max_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    stop: tuple[str, ...] = ()
+    beam_size: int = 1
+    n_best: int = 1
+    length_penalty: float = 1.0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]  # generator: the prompt; translator: the source sentence (with eos)
+    params: GenerationParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    slots: list[int] = field(default_factory=list)  # cache rows held (beam_size of them while running)
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None  # per-request sampling randomness
+    scheduled_time: float | None = None  # when it left the waiting queue
+    first_token_time: float | None = None
+
+    @property
+    def slots_needed(self) -> int:
+        return self.params.beam_size
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One piece of a request's stream. The last one has finish_reason set."""
+
+    request_id: str
+    text: str  # new text; never splits a UTF-8 character
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    alternatives: list[str] | None = None  # beam search: the n-best translations, best first
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far, including this delta
+    error: str | None = None

@@ -1,0 +1,196 @@
+"""Model runners: one step of tensors for the requests a plan names. Token ids in, token ids out."""
+
+import secrets
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.beam_search import BeamState, Hypothesis
+from model.data import pad
+from model.generator import Generator
+from model.kv_cache import CrossAttentionCache, KVCache
+from model.sampling import sample_next
+from model.tokenizer import BOS_ID, Tokenizer
+from model.translator import Translator
+from service.engine.request import Request
+from service.engine.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepResult:
+    token: int | None = None  # the next token of a streamed (greedy or sampled) sequence
+    hypotheses: list[Hypothesis] | None = None  # beam search: set on the step its search ends
+
+
+class ModelRunner(Protocol):
+    tokenizer: Tokenizer
+    max_prompt_len: int  # longest prompt (generator) or source (translator), in tokens
+
+    def max_new_tokens(self, prompt_length: int) -> int:
+        """The most tokens a request with this prompt can generate before its slot is full."""
+
+    def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]: ...
+
+    def release(self, request: Request) -> None:
+        """Drops per-request state once it has finished or been aborted."""
+
+    @property
+    def kv_cache_bytes(self) -> int: ...
+
+
+def _sample(logits: Tensor, requests: list[Request]) -> list[int]:
+    for r in requests:
+        if r.generator is None and not r.params.sampling.greedy:
+            seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
+            r.generator = torch.Generator().manual_seed(seed)
+    return sample_next(logits, [r.params.sampling for r in requests], [r.generator for r in requests]).tolist()
+
+
+class GeneratorRunner:
+    """Decoder-only: batched prefill of new prompts, then one decode step for every running sequence."""
+
+    def __init__(self, model: Generator, tokenizer: Tokenizer, n_slots: int) -> None:
+        c = model.config
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(c.n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
+        self.max_len = c.max_len
+        self.max_prompt_len = c.max_len - 1
+
+    def max_new_tokens(self, prompt_length: int) -> int:
+        return self.max_len - prompt_length
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.cache.nbytes
+
+    def release(self, request: Request) -> None:
+        pass  # the scheduler frees the slot; stale cache rows are overwritten before they are read
+
+    @torch.no_grad()
+    def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]:
+        results: dict[str, StepResult] = {}
+        if plan.prefill:
+            results.update(self._prefill(plan.prefill))
+        if plan.decode:
+            results.update(self._decode(plan.decode))
+        return results
+
+    def _prefill(self, requests: list[Request]) -> dict[str, StepResult]:
+        ids = pad([r.prompt_ids for r in requests]).to(self.device)  # (B, T) right-padded
+        B, T = ids.shape
+        slots = torch.tensor([r.slots[0] for r in requests], device=self.device)
+        positions = torch.arange(T, device=self.device).expand(B, T)
+        logits = self.model(ids, positions, list(self.cache.views(slots, positions, T)), T)  # (B, T, V)
+        last = torch.tensor([len(r.prompt_ids) - 1 for r in requests], device=self.device)
+        tokens = _sample(logits[torch.arange(B, device=self.device), last], requests)
+        return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
+
+    def _decode(self, requests: list[Request]) -> dict[str, StepResult]:
+        ids = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)  # (B, 1)
+        positions = torch.tensor([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in requests], device=self.device)
+        slots = torch.tensor([r.slots[0] for r in requests], device=self.device)
+        length = int(positions.max()) + 1
+        logits = self.model(ids, positions, list(self.cache.views(slots, positions, length)), length)  # (B, 1, V)
+        tokens = _sample(logits[:, -1], requests)
+        return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
+
+
+class TranslatorRunner:
+    """Encoder-decoder: new sources are encoded once (their cross-attention keys/values written to
+    their slots), then every running sequence, each beam a row, takes one decoder step together."""
+
+    def __init__(self, model: Translator, tokenizer: Tokenizer, n_slots: int) -> None:
+        c = model.config
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        n_layers = len(model.decoder_layers)
+        self.cache = KVCache(n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
+        self.cross_cache = CrossAttentionCache(n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
+        self.max_len = c.max_len
+        self.max_prompt_len = c.max_len
+        self._beams: dict[str, BeamState] = {}
+        self._beam_tokens: dict[str, list[int]] = {}  # the last token of each live beam
+
+    def max_new_tokens(self, prompt_length: int) -> int:
+        return self.max_len - 1  # position 0 holds bos
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.cache.nbytes + self.cross_cache.nbytes
+
+    def release(self, request: Request) -> None:
+        self._beams.pop(request.request_id, None)
+        self._beam_tokens.pop(request.request_id, None)
+
+    @torch.no_grad()
+    def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]:
+        if plan.prefill:
+            self._encode(plan.prefill)
+        return self._decode(plan.prefill + plan.decode)
+
+    def _encode(self, requests: list[Request]) -> None:
+        src = pad([r.prompt_ids for r in requests]).to(self.device)  # (B, S)
+        memory_kv = self.model.cross_key_values(self.model.encode(src))
+        # Each beam row gets its own copy of its sentence's keys/values.
+        rows = torch.tensor([i for i, r in enumerate(requests) for _ in r.slots], device=self.device)
+        slots = torch.tensor([s for r in requests for s in r.slots], device=self.device)
+        self.cross_cache.write(slots, [(k[rows], v[rows]) for k, v in memory_kv], (src != self.model.config.pad_id)[rows])
+        for r in requests:
+            if r.params.beam_size > 1:
+                self._beams[r.request_id] = BeamState(r.params.beam_size, r.params.max_tokens, r.params.length_penalty)
+                self._beam_tokens[r.request_id] = [BOS_ID] * r.params.beam_size
+
+    def _last_tokens(self, r: Request) -> list[int]:
+        if r.request_id in self._beam_tokens:
+            return self._beam_tokens[r.request_id]
+        return [r.output_ids[-1] if r.output_ids else BOS_ID]
+
+    def _decode(self, requests: list[Request]) -> dict[str, StepResult]:
+        ids = torch.tensor([[t] for r in requests for t in self._last_tokens(r)], device=self.device)  # (R, 1)
+        slots = torch.tensor([s for r in requests for s in r.slots], device=self.device)
+        positions = torch.tensor(
+            [[self._step_of(r)] for r in requests for _ in r.slots],
+            device=self.device,
+        )  # (R, 1)
+        length = int(positions.max()) + 1
+        src_length = max(len(r.prompt_ids) for r in requests)
+        memory_kv, src_mask = self.cross_cache.read(slots, src_length)
+        logits = self.model.decode(ids, memory_kv, src_mask, positions, list(self.cache.views(slots, positions, length)), length)[:, -1]
+        results: dict[str, StepResult] = {}
+        row = 0
+        streamed = [r for r in requests if r.request_id not in self._beams]
+        streamed_rows = []
+        for r in requests:
+            rows = slice(row, row + len(r.slots))
+            row += len(r.slots)
+            if r.request_id not in self._beams:
+                streamed_rows.append(rows.start)
+                continue
+            state = self._beams[r.request_id]
+            parents, tokens = state.step(F.log_softmax(logits[rows].float(), dim=-1))
+            own = torch.tensor(r.slots, device=self.device)
+            self.cache.copy_slots(own[parents.to(self.device)], own)
+            self._beam_tokens[r.request_id] = tokens.tolist()
+            results[r.request_id] = StepResult(hypotheses=state.best(r.params.n_best) if state.done else None)
+        if streamed:
+            sampled = _sample(logits[torch.tensor(streamed_rows, device=self.device)], streamed)
+            results.update({r.request_id: StepResult(token=t) for r, t in zip(streamed, sampled, strict=True)})
+        return results
+
+    def _step_of(self, r: Request) -> int:
+        """Position of the token fed this step: the number of tokens generated so far."""
+        if r.request_id in self._beams:
+            return len(self._beams[r.request_id].sequences[0])
+        return len(r.output_ids)
+
+
+def runner_for(model: Translator | Generator, tokenizer: Tokenizer, n_slots: int) -> ModelRunner:
+    if isinstance(model, Translator):
+        return TranslatorRunner(model, tokenizer, n_slots)
+    return GeneratorRunner(model, tokenizer, n_slots)

@@ -1,0 +1,94 @@
+"""The async front: streams, early exit aborts, queue bound, a failing step, liveness."""
+
+import asyncio
+
+import pytest
+
+from service.engine.async_engine import AsyncEngine
+from service.engine.engine import Engine, EngineConfig
+from service.engine.errors import QueueFullError
+from service.engine.request import Delta, GenerationParams
+from tests.engine.fakes import FakeRunner
+
+
+async def collect(stream: object) -> list[Delta]:
+    return [d async for d in stream]  # type: ignore[attr-defined]
+
+
+def make(n_slots: int = 4, max_waiting: int = 8, runner: FakeRunner | None = None) -> AsyncEngine:
+    return AsyncEngine(Engine(runner or FakeRunner(), EngineConfig(n_slots=n_slots, max_waiting=max_waiting)))  # type: ignore[arg-type]
+
+
+def test_concurrent_streams_complete() -> None:
+    engine = make()
+
+    async def main() -> list[list[Delta]]:
+        streams = [await engine.submit([10 * (i + 1), 3 + i], GenerationParams(max_tokens=50)) for i in range(6)]
+        return await asyncio.gather(*(collect(s) for s in streams))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    for i, deltas in enumerate(results):
+        assert deltas[-1].finish_reason == "stop"
+        assert sum(len(d.token_ids) for d in deltas) == 3 + i
+    assert engine.engine.counters.max_batch_size == 4  # all four slots busy at once
+
+
+def test_leaving_a_stream_early_aborts_and_frees_the_slot() -> None:
+    engine = make(n_slots=1)
+
+    async def main() -> None:
+        stream = await engine.submit([10], GenerationParams(max_tokens=1000))
+        async for delta in stream:
+            if delta.completion_tokens >= 3:
+                break
+        await stream.aclose()  # what a cancelled reader does on client disconnect
+        for _ in range(100):
+            if engine.engine.scheduler.slots.num_free == 1:
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+    assert engine.engine.scheduler.slots.num_free == 1
+    assert engine.engine.counters.finished.get("abort") == 1
+
+
+def test_full_queue_refuses_at_submit() -> None:
+    engine = make(n_slots=1, max_waiting=2, runner=FakeRunner(step_seconds=0.01))
+
+    async def main() -> None:
+        held = [await engine.submit([10], GenerationParams(max_tokens=1000))]
+        await asyncio.sleep(0.05)  # admitted: running
+        held += [await engine.submit([10], GenerationParams(max_tokens=1000)) for _ in range(2)]  # waiting
+        with pytest.raises(QueueFullError):
+            await engine.submit([10], GenerationParams(max_tokens=5))
+        for s in held:
+            await s.aclose()  # type: ignore[attr-defined]
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+
+
+def test_a_failing_step_reports_an_error_and_the_loop_keeps_serving() -> None:
+    engine = make(runner=FakeRunner(fail_on={"bad"}))
+
+    async def main() -> tuple[list[Delta], list[Delta]]:
+        bad = await collect(await engine.submit([10, 3], GenerationParams(), request_id="bad"))
+        good = await collect(await engine.submit([20, 2], GenerationParams()))
+        return bad, good
+
+    try:
+        bad, good = asyncio.run(main())
+        assert engine.alive
+    finally:
+        engine.stop()
+    assert bad[-1].finish_reason == "error" and bad[-1].error is not None
+    assert good[-1].finish_reason == "stop"
+    assert not engine.alive

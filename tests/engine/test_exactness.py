@@ -1,0 +1,118 @@
+"""The engine with real (small, randomly initialised) models computes what the plain paths compute:
+batched, joining and leaving at different steps, equals alone; equals recomputation."""
+
+import torch
+
+from model.beam_search import beam_search
+from model.config import GeneratorConfig, TranslatorConfig
+from model.generator import Generator
+from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from model.sampling import SamplingParams
+from model.tokenizer import EOS_ID
+from model.translator import Translator
+from service.engine.engine import Engine, EngineConfig
+from service.engine.request import GenerationParams, Request
+from service.engine.runner import GeneratorRunner, TranslatorRunner
+from tests.engine.fakes import FakeTokenizer
+
+
+def generator_engine(n_slots: int = 8) -> Engine:
+    torch.manual_seed(1)
+    model = Generator(GeneratorConfig.preset("tiny")).eval()
+    return Engine(GeneratorRunner(model, FakeTokenizer(), n_slots), EngineConfig(n_slots=n_slots))  # type: ignore[arg-type]
+
+
+def translator_engine(n_slots: int = 16) -> Engine:
+    torch.manual_seed(2)
+    model = Translator(TranslatorConfig.preset("tiny")).eval()
+    return Engine(TranslatorRunner(model, FakeTokenizer(), n_slots), EngineConfig(n_slots=n_slots))  # type: ignore[arg-type]
+
+
+def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500) -> dict[str, list[int]]:
+    """Adds requests at the given step numbers and runs until idle; returns token ids per request."""
+    tokens: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        for r in arrivals.get(step, []):
+            engine.add_request(r)
+        if not engine.has_work and step > max(arrivals):
+            break
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    return tokens
+
+
+PROMPTS = [[5, 9, 13, 7], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8], [21, 33], [60, 4, 17]]
+
+
+def test_generator_batched_with_joins_and_leaves_equals_alone_and_recomputation() -> None:
+    lengths = [12, 5, 20, 3, 9]
+    requests = lambda: [Request(f"r{i}", p, GenerationParams(max_tokens=n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))]  # noqa: E731
+    batched = run(generator_engine(), {0: requests()[:2], 2: requests()[2:4], 7: requests()[4:]})
+    for i, r in enumerate(requests()):
+        alone = run(generator_engine(), {0: [r]})
+        assert batched[r.request_id] == alone[r.request_id]
+        reference = generate_greedy_uncached(generator_engine().runner.model, PROMPTS[i], lengths[i])  # type: ignore[attr-defined]
+        expected = reference[: reference.index(EOS_ID)] if EOS_ID in reference else reference
+        assert batched[r.request_id] == expected
+
+
+def test_seeded_sampling_gives_the_same_tokens_alone_or_batched() -> None:
+    params = GenerationParams(max_tokens=15, sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=42))
+    alone = run(generator_engine(), {0: [Request("s", [5, 6], params)]})
+    others = [Request(f"o{i}", p, GenerationParams(max_tokens=10, sampling=SamplingParams(temperature=1.0))) for i, p in enumerate(PROMPTS)]
+    batched = run(generator_engine(), {0: others[:3], 1: [Request("s", [5, 6], params)], 3: others[3:]})
+    assert alone["s"] == batched["s"] and len(alone["s"]) > 0
+
+
+def test_abort_mid_batch_leaves_the_others_unchanged_and_frees_the_slot() -> None:
+    requests = lambda: [Request(f"r{i}", p, GenerationParams(max_tokens=10)) for i, p in enumerate(PROMPTS[:3])]  # noqa: E731
+    expected = run(generator_engine(), {0: requests()})
+    engine = generator_engine()
+    for r in requests():
+        engine.add_request(r)
+    got: dict[str, list[int]] = {}
+    for step in range(40):
+        if step == 3:
+            engine.abort("r1")
+        for d in engine.step():
+            got.setdefault(d.request_id, []).extend(d.token_ids)
+    assert got["r0"] == expected["r0"] and got["r2"] == expected["r2"]
+    assert len(got["r1"]) == 3
+    assert engine.scheduler.slots.num_free == 8 and not engine.has_work
+
+
+def test_translator_engine_greedy_equals_offline_greedy_while_requests_come_and_go() -> None:
+    sources = [[5, 9, 13, 7, EOS_ID], [40, EOS_ID], [8, 8, 8, 8, 8, 8, EOS_ID], [21, 33, EOS_ID]]
+    requests = [Request(f"t{i}", s, GenerationParams(max_tokens=12)) for i, s in enumerate(sources)]
+    engine = translator_engine()
+    batched = run(engine, {0: requests[:2], 3: requests[2:]})
+    model = engine.runner.model  # type: ignore[attr-defined]
+    for i, s in enumerate(sources):
+        assert batched[f"t{i}"] == greedy_translate_uncached(model, torch.tensor([s]), 12)[0]
+
+
+def test_translator_engine_beam_search_equals_offline_beam_search() -> None:
+    sources = [[5, 9, 13, 7, EOS_ID], [40, 41, EOS_ID], [8, 8, 8, EOS_ID]]
+    engine = translator_engine()
+    finals = {}
+    arrivals = {
+        0: [Request("b0", sources[0], GenerationParams(max_tokens=10, beam_size=4, n_best=2))],
+        2: [
+            Request("g", sources[1], GenerationParams(max_tokens=10)),
+            Request("b2", sources[2], GenerationParams(max_tokens=10, beam_size=3)),
+        ],
+    }
+    for step in range(60):
+        for r in arrivals.get(step, []):
+            engine.add_request(r)
+        for d in engine.step():
+            if d.finish_reason is not None:
+                finals[d.request_id] = d
+    model = engine.runner.model  # type: ignore[attr-defined]
+    expected = beam_search(model, torch.tensor([sources[0]]), beam_size=4, max_new_tokens=10, n_best=2)[0]
+    tokenizer = FakeTokenizer()
+    assert finals["b0"].text == tokenizer.decode(expected[0].tokens)
+    assert finals["b0"].alternatives == [tokenizer.decode(expected[1].tokens)]
+    expected2 = beam_search(model, torch.tensor([sources[2]]), beam_size=3, max_new_tokens=10)[0]
+    assert finals["b2"].text == tokenizer.decode(expected2[0].tokens)
+    assert engine.scheduler.slots.num_free == 16

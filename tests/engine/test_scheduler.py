@@ -1,0 +1,163 @@
+"""Scheduler and engine policy on CPU with a fake runner: admission, slot reuse, queue limit,
+aborts, finish reasons, failures."""
+
+import pytest
+
+from model.sampling import SamplingParams
+from service.engine.engine import Engine, EngineConfig, StepError
+from service.engine.errors import InvalidRequestError, QueueFullError
+from service.engine.request import Delta, GenerationParams, Request
+from service.engine.scheduler import Scheduler, SlotAllocator
+from tests.engine.fakes import FakeRunner
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 50, stop: tuple[str, ...] = (), beam_size: int = 1) -> Request:
+    return Request(request_id, prompt, GenerationParams(max_tokens=max_tokens, stop=stop, beam_size=beam_size, n_best=1))
+
+
+def run_to_end(engine: Engine, max_steps: int = 200) -> dict[str, list[Delta]]:
+    streams: dict[str, list[Delta]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        for d in engine.step():
+            streams.setdefault(d.request_id, []).append(d)
+    return streams
+
+
+def test_slot_allocator_reuses_lowest_free_rows() -> None:
+    slots = SlotAllocator(3)
+    assert slots.allocate(2) == [0, 1]
+    assert slots.allocate(2) is None
+    slots.free([0])
+    assert slots.allocate(1) == [0]
+    with pytest.raises(AssertionError):
+        slots.free([2, 2])
+
+
+def test_admission_is_bounded_by_free_slots_and_slots_are_reused() -> None:
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=2, max_waiting=10))
+    engine.add_request(request("a", [10, 2]))  # 2 tokens then eos
+    engine.add_request(request("b", [20, 5]))
+    engine.add_request(request("c", [30, 1]))
+    engine.step()
+    assert set(engine.scheduler.running) == {"a", "b"} and [r.request_id for r in engine.scheduler.waiting] == ["c"]
+    a_slot = engine.scheduler.running["a"].slots
+    engine.step()
+    engine.step()  # a emits eos: finished, slot freed the same step
+    assert "a" not in engine.scheduler.running
+    engine.step()  # c joins the running batch between two decode steps, in a's slot
+    assert engine.scheduler.running["c"].slots == a_slot
+    assert engine.runner.executed[-1].prefill[0].request_id == "c"  # type: ignore[attr-defined]
+    assert [r.request_id for r in engine.runner.executed[-1].decode] == ["b"]  # type: ignore[attr-defined]
+
+
+def test_outputs_and_finish_reasons() -> None:
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=4))
+    engine.add_request(request("eos", [10, 3]))
+    engine.add_request(request("length", [20], max_tokens=4))
+    engine.add_request(request("stop", [30], stop=("w33",)))
+    streams = run_to_end(engine)
+    text = {k: "".join(d.text for d in v) for k, v in streams.items()}
+    assert text == {"eos": "w11 w12 w13 ", "length": "w21 w22 w23 w24 ", "stop": "w31 w32 "}
+    assert {k: v[-1].finish_reason for k, v in streams.items()} == {"eos": "stop", "length": "length", "stop": "stop"}
+    assert streams["length"][-1].completion_tokens == 4
+    assert engine.scheduler.slots.num_free == 4
+
+
+def test_waiting_queue_limit_refuses_without_queueing() -> None:
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=1, max_waiting=2))
+    engine.add_request(request("a", [10]))
+    engine.add_request(request("b", [10]))
+    with pytest.raises(QueueFullError):
+        engine.add_request(request("c", [10]))
+    assert len(engine.scheduler.waiting) == 2
+
+
+def test_abort_while_waiting_never_runs() -> None:
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=1))
+    engine.add_request(request("a", [10, 3]))
+    engine.add_request(request("b", [20, 3]))
+    engine.abort("b")
+    streams = run_to_end(engine)
+    assert streams["b"] == [Delta("b", "", [], "abort", prompt_tokens=2)]
+    assert all(r.request_id != "b" for plan in engine.runner.executed for r in plan.prefill + plan.decode)  # type: ignore[attr-defined]
+
+
+def test_abort_while_running_frees_the_slot_at_the_next_step_and_leaves_others_unchanged() -> None:
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=2))
+    engine.add_request(request("keep", [10, 6]))
+    alone = run_to_end(engine)
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=2))
+    engine.add_request(request("keep", [10, 6]))
+    engine.add_request(request("drop", [20]))
+    first_steps = engine.step() + engine.step()
+    engine.abort("drop")
+    streams = run_to_end(engine)
+    streams["keep"] = [d for d in first_steps if d.request_id == "keep"] + streams["keep"]
+    assert streams["drop"][-1].finish_reason == "abort"
+    assert engine.scheduler.slots.num_free == 2 and "drop" in engine.runner.released  # type: ignore[attr-defined]
+    # After the abort, "drop" is never computed again.
+    abort_step = next(i for i, p in enumerate(engine.runner.executed) if p.aborted)  # type: ignore[attr-defined]
+    assert all(r.request_id != "drop" for p in engine.runner.executed[abort_step:] for r in p.decode)  # type: ignore[attr-defined]
+    assert "".join(d.text for d in streams["keep"]) == "".join(d.text for d in alone["keep"])
+
+
+def test_prefill_token_budget_spreads_admissions_over_steps() -> None:
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=8, max_prefill_tokens=6))
+    for i in range(3):
+        engine.add_request(request(f"r{i}", [10 * (i + 1), 9, 9, 9]))  # 4 prompt tokens each
+    engine.step()
+    assert len(engine.runner.executed[-1].prefill) == 1  # type: ignore[attr-defined]
+    engine.step()
+    assert len(engine.runner.executed[-1].prefill) == 1  # type: ignore[attr-defined]
+
+
+def test_static_policy_admits_only_when_the_batch_has_drained() -> None:
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=4, policy="static"))
+    engine.add_request(request("long", [10, 5]))
+    engine.step()
+    engine.add_request(request("late", [20, 1]))
+    engine.step()
+    assert "late" not in engine.scheduler.running
+    run_to_end(engine)
+    admitted_at = next(i for i, p in enumerate(engine.runner.executed) if any(r.request_id == "late" for r in p.prefill))  # type: ignore[attr-defined]
+    assert admitted_at == 6  # after "long" produced 5 tokens and its eos
+
+
+def test_beam_requests_hold_beam_size_slots() -> None:
+    scheduler = Scheduler(n_slots=4, max_waiting=4, max_prefill_tokens=100)
+    scheduler.add(request("beam", [10], beam_size=3))
+    scheduler.add(request("greedy-1", [10]))
+    scheduler.add(request("greedy-2", [10]))
+    out = scheduler.schedule()
+    assert [r.request_id for r in out.prefill] == ["beam", "greedy-1"]
+    assert len(out.prefill[0].slots) == 3 and scheduler.slots.num_free == 0
+
+
+def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on() -> None:
+    runner = FakeRunner(fail_on={"bad"})
+    engine = Engine(runner, EngineConfig(n_slots=4))
+    engine.add_request(request("bad", [10, 3]))
+    with pytest.raises(StepError) as failure:
+        engine.step()
+    assert [(d.request_id, d.finish_reason) for d in failure.value.deltas] == [("bad", "error")]
+    assert engine.scheduler.slots.num_free == 4
+    engine.add_request(request("good", [20, 2]))
+    streams = run_to_end(engine)
+    assert "".join(d.text for d in streams["good"]) == "w21 w22 " and streams["good"][-1].finish_reason == "stop"
+
+
+def test_validation_rejects_what_cannot_be_served() -> None:
+    engine = Engine(FakeRunner(max_prompt_len=5), EngineConfig(n_slots=2))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request(request("e", []))
+    with pytest.raises(InvalidRequestError) as too_long:
+        engine.add_request(request("l", list(range(4, 10))))
+    assert too_long.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as beams:
+        engine.add_request(request("b", [5], beam_size=3))
+    assert beams.value.param == "beam_size"
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(Request("m", [5], GenerationParams(max_tokens=0, sampling=SamplingParams())))
+    assert not engine.has_work

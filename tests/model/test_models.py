@@ -1,0 +1,135 @@
+"""Behaviour of the two models: causality, padding, caching, checkpoints, decoding."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.beam_search import beam_search
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.config import GeneratorConfig, TranslatorConfig
+from model.generator import Generator
+from model.kv_cache import KVCache
+from model.masks import padding_mask
+from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from model.tokenizer import Tokenizer
+from model.translate import greedy_translate
+from model.translator import Translator
+
+POSITIONS = ["sinusoidal", "rope", "alibi"]
+
+
+def tiny_translator(positions: str = "sinusoidal", norm_first: bool = False) -> Translator:
+    config = TranslatorConfig.preset("tiny")
+    config = TranslatorConfig.from_dict({**config.to_dict(), "positions": positions, "norm_first": norm_first})
+    return Translator(config).eval()
+
+
+def tiny_generator(positions: str = "rope", norm_first: bool = True) -> Generator:
+    config = GeneratorConfig.preset("tiny")
+    config = GeneratorConfig.from_dict({**config.to_dict(), "positions": positions, "norm_first": norm_first})
+    return Generator(config).eval()
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_generator_is_causal(positions: str, norm_first: bool) -> None:
+    model = tiny_generator(positions, norm_first)
+    ids = torch.randint(4, 64, (2, 12))
+    changed = ids.clone()
+    changed[:, 7:] = torch.randint(4, 64, (2, 5))
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_translator_decoder_is_causal_and_padding_is_invisible(positions: str) -> None:
+    model = tiny_translator(positions)
+    src = torch.randint(4, 64, (1, 6))
+    padded_src = torch.cat([src, torch.zeros(1, 4, dtype=torch.long)], dim=1)  # pad_id 0
+    tgt = torch.randint(4, 64, (1, 8))
+    changed_tgt = tgt.clone()
+    changed_tgt[:, 5:] = 9
+    with torch.no_grad():
+        logits = model(src, tgt)
+        torch.testing.assert_close(model(padded_src, tgt), logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(src, changed_tgt)[:, :5], logits[:, :5])
+        # Real source positions of the encoder output do not move either.
+        torch.testing.assert_close(model.encode(padded_src)[:, :6], model.encode(src), rtol=1e-5, atol=1e-5)
+
+
+def test_right_padding_does_not_change_generator_outputs() -> None:
+    model = tiny_generator()
+    ids = torch.randint(4, 64, (1, 9))
+    batch = torch.cat([torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1), torch.randint(4, 64, (1, 12))])
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch)[:1, :9], model(ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_generator_kv_cache_logits_equal_full_recomputation(positions: str) -> None:
+    model = tiny_generator(positions)
+    c = model.config
+    ids = torch.randint(4, 64, (3, 20))
+    prompt_lengths = [5, 9, 3]
+    cache = KVCache(c.n_layers if hasattr(c, "n_layers") else 0, 4, c.n_heads, c.max_len, c.head_dim)
+    slots = torch.tensor([2, 0, 3])  # arbitrary rows of the cache
+    with torch.no_grad():
+        full = model(ids)  # (3, 20, V)
+        # Prefill all prompts right-padded to the longest, then decode one token at a time per row.
+        T = max(prompt_lengths)
+        positions = torch.arange(T).expand(3, T)
+        prefill = model(ids[:, :T], positions, list(cache.views(slots, positions, T)), T)
+        for row, n in enumerate(prompt_lengths):
+            torch.testing.assert_close(prefill[row, :n], full[row, :n], rtol=1e-4, atol=1e-5)
+        position = torch.tensor(prompt_lengths)
+        for _ in range(8):
+            step_ids = ids[torch.arange(3), position][:, None]
+            length = int(position.max()) + 1
+            step = model(step_ids, position[:, None], list(cache.views(slots, position[:, None], length)), length)
+            torch.testing.assert_close(step[:, 0], full[torch.arange(3), position], rtol=1e-4, atol=1e-5)
+            position = position + 1
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_translator_cached_greedy_equals_recomputation(positions: str) -> None:
+    model = tiny_translator(positions)
+    src = torch.randint(4, 64, (4, 7))
+    src[1, 5:] = 0
+    assert greedy_translate(model, src, 20) == greedy_translate_uncached(model, src, 20)
+
+
+def test_beam_size_one_equals_greedy_and_wider_beams_score_at_least_as_well() -> None:
+    model = tiny_translator()
+    src = torch.randint(4, 64, (5, 6))
+    greedy = greedy_translate(model, src, 15)
+    beams = beam_search(model, src, beam_size=1, max_new_tokens=15)
+    assert [h[0].tokens for h in beams] == greedy
+    wide = beam_search(model, src, beam_size=4, max_new_tokens=15, n_best=3)
+    assert all(len(h) == 3 and h[0].score >= h[1].score >= h[2].score for h in wide)
+
+
+def test_save_then_load_gives_identical_logits(tmp_path: Path) -> None:
+    tokenizer = Tokenizer.train([f"sentence number {i} with words" for i in range(200)] * 3, vocab_size=300)
+    for model in (tiny_translator(), tiny_generator()):
+        save_checkpoint(tmp_path / type(model).__name__, model, tokenizer, {"steps": 0})
+        loaded, loaded_tokenizer = load_checkpoint(tmp_path / type(model).__name__)
+        ids = torch.randint(4, 64, (2, 6))
+        with torch.no_grad():
+            before = model(ids, ids) if isinstance(model, Translator) else model(ids)
+            after = loaded(ids, ids) if isinstance(loaded, Translator) else loaded(ids)
+        torch.testing.assert_close(before, after, rtol=0, atol=0)
+        assert loaded.config == model.config
+        assert loaded_tokenizer.encode("sentence 5") == tokenizer.encode("sentence 5")
+
+
+def test_padding_mask_shape() -> None:
+    mask = padding_mask(torch.tensor([[5, 6, 0]]), pad_id=0)
+    assert mask.shape == (1, 1, 1, 3) and mask.tolist() == [[[[True, True, False]]]]
+
+
+def test_uncached_greedy_generation_extends_prompt() -> None:
+    out = generate_greedy_uncached(tiny_generator(), [5, 6, 7], 4)
+    assert len(out) == 4 and all(0 <= t < 64 for t in out)

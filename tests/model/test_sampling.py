@@ -1,0 +1,28 @@
+import torch
+
+from model.sampling import SamplingParams, filter_logits, sample_next
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=7)] + [SamplingParams(temperature=1.0)] * 3
+    alone = [int(sample_next(logits[:1], params[:1], [torch.Generator().manual_seed(7)])[0]) for _ in range(3)]
+    batched = [int(sample_next(logits, params, [torch.Generator().manual_seed(7), None, None, None])[0]) for _ in range(3)]
+    assert alone == batched
+
+
+def test_greedy_and_filters() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    assert int(sample_next(logits, [SamplingParams(temperature=0.0)], [None])[0]) == 1
+    top2 = filter_logits(logits[0], top_k=2, top_p=1.0)
+    assert torch.isinf(top2[[0, 2]]).all() and torch.isfinite(top2[[1, 3]]).all()
+    nucleus = filter_logits(torch.tensor([10.0, 0.0, 0.0, 0.0]), top_k=0, top_p=0.5)
+    assert torch.isfinite(nucleus).tolist() == [True, False, False, False]
+    g = torch.Generator().manual_seed(0)
+    draws = {int(sample_next(logits, [SamplingParams(temperature=1.0, top_k=2)], [g])[0]) for _ in range(50)}
+    assert draws <= {1, 3} and len(draws) == 2
+
+
+def test_nan_logits_fall_back_to_argmax() -> None:
+    logits = torch.tensor([[float("nan"), 1.0, 5.0, float("nan")]])
+    assert int(sample_next(logits, [SamplingParams(temperature=1.0)], [None])[0]) == 2
