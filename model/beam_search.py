@@ -77,18 +77,20 @@ class BeamState:
 
 @torch.no_grad()
 def beam_search(
-    model: Translator, src: Tensor, beam_size: int, max_new_tokens: int, length_penalty: float = 1.0, n_best: int = 1
+    model: Translator, src: Tensor, beam_size: int, max_new_tokens: int | list[int], length_penalty: float = 1.0, n_best: int = 1
 ) -> list[list[Hypothesis]]:
-    """Translates src (B, S) right-padded; returns the n_best hypotheses of each sentence."""
+    """Translates src (B, S) right-padded; returns the n_best hypotheses of each sentence.
+    max_new_tokens: one limit for all, or one per sentence."""
     B, K = src.shape[0], beam_size
     c = model.config
-    max_new_tokens = min(max_new_tokens, c.max_len - 1)
+    limits = [min(m, c.max_len - 1) for m in (max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B)]
+    max_new_tokens = max(limits)
     memory = model.encode(src).repeat_interleave(K, dim=0)  # (B*K, S, d)
     memory_kv = model.cross_key_values(memory)
     src_mask = padding_mask(src, c.pad_id).repeat_interleave(K, dim=0)  # (B*K, 1, 1, S)
     n_layers = len(model.decoder_layers)
     cache = KVCache(n_layers, B * K, c.n_heads, max_new_tokens + 1, c.head_dim, src.device, memory.dtype)
-    states = [BeamState(K, max_new_tokens, length_penalty) for _ in range(B)]
+    states = [BeamState(K, limit, length_penalty) for limit in limits]
     tokens = torch.full((B * K,), BOS_ID, dtype=torch.long, device=src.device)
     for t in range(max_new_tokens):
         active = [i for i, s in enumerate(states) if not s.done]

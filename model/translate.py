@@ -12,17 +12,21 @@ from model.translator import Translator
 
 
 def max_new_tokens_for(source_length: int, max_len: int) -> int:
-    """Target length cap for a source of source_length tokens (German runs longer than English)."""
+    """Default target length cap for a source of source_length tokens (eos included); German runs
+    longer than English. The service uses the same default."""
     return min(2 * source_length + 10, max_len - 1)
 
 
 @torch.no_grad()
-def greedy_translate(model: Translator, src: Tensor, max_new_tokens: int) -> list[list[int]]:
+def greedy_translate(model: Translator, src: Tensor, max_new_tokens: int | list[int]) -> list[list[int]]:
     """Greedy translation of src (B, S) with the KV cache; the cross-attention keys/values are
-    computed once. Returns each sentence's ids without bos/eos."""
+    computed once. max_new_tokens: one limit for all, or one per sentence.
+    Returns each sentence's ids without bos/eos."""
     B = src.shape[0]
     c = model.config
-    max_new_tokens = min(max_new_tokens, c.max_len - 1)
+    limits = torch.tensor(max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B, device=src.device)
+    limits = limits.clamp(max=c.max_len - 1)  # (B,)
+    max_new_tokens = int(limits.max())
     memory_kv = model.cross_key_values(model.encode(src))
     src_mask = padding_mask(src, c.pad_id)
     cache = KVCache(len(model.decoder_layers), B, c.n_heads, max_new_tokens + 1, c.head_dim, src.device, memory_kv[0][0].dtype)
@@ -37,7 +41,7 @@ def greedy_translate(model: Translator, src: Tensor, max_new_tokens: int) -> lis
         for i, token in enumerate(tokens.tolist()):
             if not done[i] and token != EOS_ID:
                 out[i].append(token)
-        done |= tokens == EOS_ID
+        done |= (tokens == EOS_ID) | (limits <= t + 1)
         if bool(done.all()):
             break
     return out
@@ -60,11 +64,11 @@ def translate_sentences(
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         src = pad([ids[i] for i in chunk]).to(device)
-        limit = max_new_tokens_for(src.shape[1], model.config.max_len)
+        limits = [max_new_tokens_for(len(ids[i]), model.config.max_len) for i in chunk]
         if beam_size == 1:
-            outputs = [[tokens] for tokens in greedy_translate(model, src, limit)]
+            outputs = [[tokens] for tokens in greedy_translate(model, src, limits)]
         else:
-            outputs = [[h.tokens for h in hyps] for hyps in beam_search(model, src, beam_size, limit, length_penalty, n_best)]
+            outputs = [[h.tokens for h in hyps] for hyps in beam_search(model, src, beam_size, limits, length_penalty, n_best)]
         for i, hyps in zip(chunk, outputs, strict=True):
             results[i] = [tokenizer.decode(tokens) for tokens in hyps]
     return results

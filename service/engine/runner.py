@@ -13,8 +13,10 @@ from model.data import pad
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, KVCache
 from model.sampling import sample_next
-from model.tokenizer import BOS_ID, Tokenizer
+from model.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from model.translate import max_new_tokens_for
 from model.translator import Translator
+from service.engine.fixed_shape import FixedShapeDecoder
 from service.engine.request import Request
 from service.engine.scheduler import SchedulerOutput
 
@@ -31,6 +33,12 @@ class ModelRunner(Protocol):
 
     def max_new_tokens(self, prompt_length: int) -> int:
         """The most tokens a request with this prompt can generate before its slot is full."""
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt (generator) or source sentence (translator, ending with eos)."""
+
+    def default_max_tokens(self, prompt_length: int) -> int:
+        """The output length limit when a request sets none."""
 
     def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]: ...
 
@@ -52,7 +60,8 @@ def _sample(logits: Tensor, requests: list[Request]) -> list[int]:
 class GeneratorRunner:
     """Decoder-only: batched prefill of new prompts, then one decode step for every running sequence."""
 
-    def __init__(self, model: Generator, tokenizer: Tokenizer, n_slots: int) -> None:
+    def __init__(self, model: Generator, tokenizer: Tokenizer, n_slots: int, fixed_shape_decode: bool | None = None) -> None:
+        """fixed_shape_decode: decode through a captured CUDA graph (default: on CUDA devices)."""
         c = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -60,9 +69,18 @@ class GeneratorRunner:
         self.cache = KVCache(c.n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
         self.max_len = c.max_len
         self.max_prompt_len = c.max_len - 1
+        if fixed_shape_decode is None:
+            fixed_shape_decode = self.device.type == "cuda"
+        self.fixed_shape = FixedShapeDecoder(model, self.cache, capture=self.device.type == "cuda") if fixed_shape_decode else None
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - prompt_length
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def default_max_tokens(self, prompt_length: int) -> int:
+        return self.max_new_tokens(prompt_length)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -91,6 +109,14 @@ class GeneratorRunner:
         return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
 
     def _decode(self, requests: list[Request]) -> dict[str, StepResult]:
+        if self.fixed_shape is not None:
+            logits = self.fixed_shape(
+                [r.slots[0] for r in requests],
+                [r.output_ids[-1] for r in requests],
+                [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests],
+            )
+            tokens = _sample(logits, requests)
+            return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
         ids = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)  # (B, 1)
         positions = torch.tensor([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in requests], device=self.device)
         slots = torch.tensor([r.slots[0] for r in requests], device=self.device)
@@ -119,6 +145,12 @@ class TranslatorRunner:
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - 1  # position 0 holds bos
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text) + [EOS_ID]
+
+    def default_max_tokens(self, prompt_length: int) -> int:
+        return max_new_tokens_for(prompt_length, self.max_len)
 
     @property
     def kv_cache_bytes(self) -> int:

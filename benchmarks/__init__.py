@@ -1,0 +1,1 @@
+"""In-process measurements of the models and the engine (no HTTP)."""

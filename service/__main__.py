@@ -1,0 +1,103 @@
+"""`python -m service`: start a local Ray, deploy both models, serve until Ctrl-C.
+
+Listens on 127.0.0.1:8000 and exports metrics on 127.0.0.1:8080 unless told otherwise.
+"""
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from service.config import RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m service", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus metrics export port")
+    parser.add_argument("--translator-checkpoint", type=Path, default=DEFAULT_TRANSLATOR)
+    parser.add_argument("--generator-checkpoint", type=Path, default=DEFAULT_GENERATOR)
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--translator-replicas", type=int, default=1)
+    parser.add_argument("--generator-replicas", type=int, default=1)
+    parser.add_argument("--slots", type=int, default=32, help="concurrent sequences per replica")
+    parser.add_argument("--torch-threads", type=int, default=None, help="CPU threads per replica")
+    return parser.parse_args(argv)
+
+
+def service_config(args: argparse.Namespace) -> ServiceConfig:
+    import torch
+
+    gpus = 1.0 if args.device != "cpu" and torch.cuda.is_available() else 0.0
+    common = {"device": args.device, "n_slots": args.slots, "num_gpus": gpus, "num_cpus": 0.5, "torch_threads": args.torch_threads}
+    return ServiceConfig(
+        translator=ModelServingConfig(
+            name="transformer-en-de", checkpoint=args.translator_checkpoint, num_replicas=args.translator_replicas, **common
+        ),
+        generator=ModelServingConfig(
+            name="transformer-shakespeare", checkpoint=args.generator_checkpoint, num_replicas=args.generator_replicas, **common
+        ),
+    )
+
+
+def wait_ready(url: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the service at {url} was not ready after {timeout_s:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    config = service_config(args)
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+
+    os.environ.update(RAY_ENVIRONMENT)
+    ray.init(include_dashboard=False, _metrics_export_port=args.metrics_port, configure_logging=True, logging_level=logging.WARNING)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(config), name="transformers", route_prefix="/")
+    url = f"http://{args.host}:{args.port}"
+    wait_ready(url)
+    example = json.dumps({"q": "A man is riding a bike.", "source": "en", "target": "de"})
+    print(
+        f"\nServing on {url}  (OpenAPI: {url}/docs)\n"
+        f"Metrics for Prometheus: http://127.0.0.1:{args.metrics_port}/metrics\n\n"
+        f"Try:\n  curl -s {url}/translate -H 'Content-Type: application/json' -d '{example}'\n"
+        f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+        f"""-d '{{"model": "transformer-shakespeare", "prompt": "ROMEO:", "max_tokens": 40}}'\n\n"""
+        "Ctrl-C stops the service.",
+        flush=True,
+    )
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    while not stopping:
+        time.sleep(0.5)
+    print("Shutting down...", flush=True)
+    serve.shutdown()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

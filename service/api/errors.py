@@ -1,0 +1,59 @@
+"""Errors in the shapes clients know: OpenAI's envelope under /v1, LibreTranslate's {"error": ...}
+elsewhere. Validation is 400 and names the parameter; nothing echoes the input back."""
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
+
+
+def error_response(path: str, status: int, message: str, param: str | None = None, retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    body: dict[str, Any]
+    if path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "internal_error"), "param": param, "code": status}}
+    else:
+        body = {"error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _param(location: tuple[Any, ...]) -> str:
+    """("body", "stop", 2) -> "stop.2" (the field path without where it came from)."""
+    return ".".join(str(p) for p in location if p not in ("body", "query", "form")) or "body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return error_response(request.url.path, error.status, error.message, error.param, error.retry_after)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
+        param = _param(tuple(first.get("loc", ())))
+        message = f"{param}: {first.get('msg', 'invalid value')}"  # the message only, never the input
+        return error_response(request.url.path, 400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(request.url.path, error.status_code, str(error.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        return error_response(request.url.path, 500, "internal error")

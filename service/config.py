@@ -1,0 +1,52 @@
+"""The service's one configuration object. Parsed from a Serve config file's `args` or built by
+`python -m service`; nothing reads the environment at import time."""
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+
+# Ray Serve's proxy must start within 5 s by default; on a busy 2-core machine it may not, and is
+# then killed and restarted in a loop. These are set for Ray's processes before `ray.init`.
+RAY_ENVIRONMENT = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
+class ModelServingConfig(BaseModel):
+    """One model deployment: its checkpoint, engine limits and replicas."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str  # the model id clients see
+    checkpoint: Path
+    device: str = "auto"  # "auto": cuda when the replica has a GPU, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    n_slots: int = Field(32, ge=1)  # concurrent sequences per replica (KV-cache rows)
+    max_waiting: int = Field(64, ge=0)  # engine queue per replica; beyond it, 429 at once
+    max_prefill_tokens: int = Field(4096, ge=1)
+    max_tokens_cap: int = Field(256, ge=1)  # the most tokens one request may ask for
+    num_replicas: int | str = 1  # or "auto" with autoscaling_config
+    autoscaling_config: dict[str, Any] | None = None
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    torch_threads: int | None = None  # CPU threads for torch in each replica
+
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Serve must pass enough requests for the engine's batch and queue to fill; the engine
+        itself refuses beyond that, fast."""
+        return self.n_slots + self.max_waiting + 8
+
+
+class ServiceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    translator: ModelServingConfig = ModelServingConfig(name="transformer-en-de", checkpoint=DEFAULT_TRANSLATOR, n_slots=64)
+    generator: ModelServingConfig = ModelServingConfig(name="transformer-shakespeare", checkpoint=DEFAULT_GENERATOR)
+    default_beam_size: int = Field(4, ge=1, le=8)  # translation quality by default; greedy when asked or streaming
+    max_text_chars: int = Field(2000, ge=1)  # per sentence or prompt, checked before tokenizing
+    max_batch_texts: int = Field(32, ge=1)  # sentences per translation request
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    ingress_max_queued_requests: int = 512
+    retry_after_seconds: int = 1

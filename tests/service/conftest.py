@@ -1,0 +1,69 @@
+"""One real Serve application for the whole test session (Ray starts once)."""
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from service.config import RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
+
+APP_NAME = "transformers"
+TEST_CONFIG = ServiceConfig(
+    translator=ModelServingConfig(
+        name="transformer-en-de", checkpoint=DEFAULT_TRANSLATOR, n_slots=16, max_waiting=16, num_cpus=0.5, torch_threads=1
+    ),
+    generator=ModelServingConfig(
+        name="transformer-shakespeare",
+        checkpoint=DEFAULT_GENERATOR,
+        n_slots=16,
+        max_waiting=16,
+        num_replicas=2,
+        num_cpus=0.5,
+        torch_threads=1,
+    ),
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def service_url() -> Iterator[str]:
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+
+    os.environ.update(RAY_ENVIRONMENT)
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=free_port(), logging_level="warning")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(TEST_CONFIG), name=APP_NAME, route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "service not ready"
+        time.sleep(0.5)
+    yield url
+    serve.shutdown()
+    ray.shutdown()
+
+
+def replica_stats(deployment: str, calls: int = 30) -> dict[str, dict[str, Any]]:
+    """Engine stats by replica id (calls spread over the replicas by Serve's router)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app_name=APP_NAME)
+    stats: dict[str, dict[str, Any]] = {}
+    for _ in range(calls):
+        s = handle.stats.remote().result()
+        stats[s["replica"]] = s
+    return stats

@@ -1,0 +1,277 @@
+"""End to end: the real Serve application over HTTP, with the official openai client and httpx."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from model.data import SHARED_DATA, read_lines
+from model.tokenizer import Tokenizer
+from model.translate import translate_sentences
+from tests.service.conftest import TEST_CONFIG, replica_stats
+
+GENERATOR = TEST_CONFIG.generator.name
+TEST_SOURCES = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+
+def test_openai_client_completion_with_usage(service_url: str) -> None:
+    prompt = "ROMEO:\n"
+    result = client(service_url).completions.create(model=GENERATOR, prompt=prompt, max_tokens=24, temperature=0)
+    choice = result.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    prompt_tokens = len(Tokenizer.load(DEFAULT_GENERATOR / "tokenizer.model").encode(prompt))
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.total_tokens) == (
+        prompt_tokens,
+        24,
+        prompt_tokens + 24,
+    )
+    assert result.object == "text_completion" and result.model == GENERATOR
+
+
+def test_openai_client_streaming_matches_non_streaming(service_url: str) -> None:
+    c = client(service_url)
+    whole = c.completions.create(model=GENERATOR, prompt="KING:", max_tokens=30, temperature=0).choices[0].text
+    chunks = list(
+        c.completions.create(
+            model=GENERATOR, prompt="KING:", max_tokens=30, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    content = [ch for ch in chunks if ch.choices]
+    assert "".join(ch.choices[0].text for ch in content) == whole
+    assert [ch.choices[0].finish_reason for ch in content][-1] == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in content[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 30
+
+
+def test_stop_strings_end_the_completion(service_url: str) -> None:
+    result = client(service_url).completions.create(model=GENERATOR, prompt="ROMEO:\n", max_tokens=100, temperature=0, stop=["\n"])
+    assert result.choices[0].finish_reason == "stop" and "\n" not in result.choices[0].text
+
+
+def test_seeded_sampling_is_reproducible(service_url: str) -> None:
+    c = client(service_url)
+    texts = [
+        c.completions.create(model=GENERATOR, prompt="JULIET:", max_tokens=30, temperature=0.9, seed=s).choices[0].text for s in (7, 7, 8)
+    ]
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]
+
+
+def test_sse_wire_format(service_url: str) -> None:
+    body = {"model": GENERATOR, "prompt": "To be", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{service_url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    frames = raw.split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
+    for frame in frames[:-2]:
+        assert frame.startswith("data: ")
+        chunk = json.loads(frame[len("data: ") :])
+        assert {"id", "object", "created", "model", "choices"} <= chunk.keys()
+
+
+def test_translate_matches_the_evaluation_cli(service_url: str, tmp_path: Path) -> None:
+    sentences = TEST_SOURCES[:12]
+    source_file = tmp_path / "src.en"
+    source_file.write_text("\n".join(sentences) + "\n")
+    output = tmp_path / "out.de"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "model.evaluate",
+            "translate",
+            "--src",
+            str(source_file),
+            "--ref",
+            str(source_file),
+            "--beam-size",
+            "4",
+            "--output",
+            str(output),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    cli_beam4 = output.read_text().splitlines()
+    model, tokenizer = load_checkpoint(DEFAULT_TRANSLATOR)
+    greedy = [h[0] for h in translate_sentences(model, tokenizer, sentences, beam_size=1)]
+
+    v1 = httpx.post(f"{service_url}/v1/translate", json={"text": sentences, "beam_size": 1}, timeout=120).json()
+    assert [t["text"] for t in v1["translations"]] == greedy
+    assert v1["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(s)) + 1 for s in sentences)
+    lt = httpx.post(f"{service_url}/translate", json={"q": sentences, "source": "en", "target": "de"}, timeout=120).json()
+    assert lt["translatedText"] == cli_beam4
+
+
+def test_libretranslate_form_body_alternatives_and_languages(service_url: str) -> None:
+    form = httpx.post(
+        f"{service_url}/translate", data={"q": "A dog runs.", "source": "auto", "target": "de", "alternatives": "2"}, timeout=60
+    )
+    assert form.status_code == 200
+    answer = form.json()
+    assert isinstance(answer["translatedText"], str) and answer["translatedText"]
+    assert len(answer["alternatives"]) == 2 and answer["translatedText"] not in answer["alternatives"]
+    assert answer["detectedLanguage"]["language"] == "en"
+    assert httpx.get(f"{service_url}/languages").json()[0] == {"code": "en", "name": "English", "targets": ["de"]}
+    assert httpx.get(f"{service_url}/health").json() == {"status": "ok"}
+    unsupported = httpx.post(f"{service_url}/translate", json={"q": "Hallo", "source": "de", "target": "en"})
+    assert unsupported.status_code == 400 and "error" in unsupported.json()
+
+
+def test_translation_streams_greedy_text(service_url: str) -> None:
+    sentence = TEST_SOURCES[20]
+    expected = httpx.post(f"{service_url}/v1/translate", json={"text": sentence, "beam_size": 1}, timeout=60).json()["translations"][0][
+        "text"
+    ]
+    with httpx.stream("POST", f"{service_url}/v1/translate", json={"text": sentence, "stream": True}, timeout=60) as response:
+        frames = [f for f in response.read().decode().split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    events = [json.loads(f[len("data: ") :]) for f in frames[:-1]]
+    assert "".join(e["text"] for e in events) == expected and events[-1]["finish_reason"] == "stop"
+
+
+async def _stream_completion(http: httpx.AsyncClient, i: int) -> tuple[str, str | None, bool]:
+    body = {"model": GENERATOR, "prompt": f"Scene {i}:\n", "max_tokens": 40, "stream": True, "temperature": 0}
+    text, reason = "", None
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        raw = (await response.aread()).decode()
+    frames = [f for f in raw.split("\n\n") if f]
+    for f in frames[:-1]:
+        chunk = json.loads(f[len("data: ") :])
+        text += chunk["choices"][0]["text"]
+        reason = chunk["choices"][0]["finish_reason"] or reason
+    return text, reason, frames[-1] == "data: [DONE]"
+
+
+def test_32_concurrent_streams_batch_together_on_two_replicas(service_url: str) -> None:
+    async def main() -> list[tuple[str, str | None, bool]]:
+        async with httpx.AsyncClient(base_url=service_url, timeout=300) as http:
+            return await asyncio.gather(*(_stream_completion(http, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert all(done and reason == "length" and text for text, reason, done in results)
+    stats = replica_stats("Generator")
+    assert len(stats) == 2, "both generator replicas answer"
+    assert all(s["steps"] > 0 for s in stats.values()), "requests landed on both replicas"
+    assert max(s["max_batch_size"] for s in stats.values()) > 1
+
+
+def test_disconnecting_a_stream_frees_its_slot(service_url: str) -> None:
+    before = sum(s["finished"].get("abort", 0) for s in replica_stats("Generator").values())
+    body = {"model": GENERATOR, "prompt": "HAMLET:", "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{service_url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+    # The connection is closed here; the engine must drop the sequence within a step or so.
+    deadline = time.monotonic() + 30
+    while True:
+        stats = replica_stats("Generator")
+        aborted = sum(s["finished"].get("abort", 0) for s in stats.values())
+        idle = all(s["running"] == 0 and s["free_slots"] == TEST_CONFIG.generator.n_slots for s in stats.values())
+        if aborted == before + 1 and idle:
+            break
+        assert time.monotonic() < deadline, f"slot not freed: {stats}"
+        time.sleep(0.2)
+
+
+def test_full_queue_answers_429_with_retry_after(service_url: str) -> None:
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=service_url, timeout=300) as http:
+            body = {"text": TEST_SOURCES[0], "beam_size": 8, "max_tokens": 10}
+            return await asyncio.gather(*(http.post("/v1/translate", json=body) for _ in range(48)))
+
+    responses = asyncio.run(main())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429}
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused, "16 slots (2 beam-8 requests) and 16 waiting cannot hold 48 requests"
+    assert all(r.headers.get("retry-after") == "1" and r.json()["error"]["type"] == "rate_limit_error" for r in refused)
+    assert statuses.count(200) >= 2
+
+
+ECHO = "ECHO-ME-" * 20
+BAD_REQUESTS = [
+    ("/v1/completions", {"model": GENERATOR, "prompt": "x", "max_tokens": "10"}, "max_tokens"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": ECHO, "n": 2}, "n"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": "x", "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": "x", "stop": ["a"] * 10}, "stop"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": ECHO, "surprise": 1}, "surprise"),
+    ("/v1/completions", {"prompt": "x"}, "model"),
+    ("/v1/translate", {"text": ""}, "text"),
+    ("/v1/translate", {"text": ["a"] * 33}, "text"),
+    ("/v1/translate", {"text": "a", "target_lang": "fr"}, "target_lang"),
+    ("/v1/translate", {"text": "a", "beam_size": 0}, "beam_size"),
+    ("/v1/translate", {"text": "a", "stream": True, "beam_size": 4}, "stream"),
+    ("/v1/translate", {"text": "x" * 5000}, "text"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
+def test_malformed_input_is_a_400_naming_the_parameter(service_url: str, path: str, body: dict[str, object], param: str) -> None:
+    response = httpx.post(f"{service_url}{path}", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert ECHO not in response.text
+    assert response.headers.get("x-request-id")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "transformer-shakespeare", "prompt": "x", "temperature": NaN}',
+        b'{"model": "transformer-shakespeare", "prompt": "\\ud800"}',
+        b'{"model": "transformer-shakespeare", "prompt": ',
+        b"\xff\xfe not json",
+        b"[" * 5000 + b"]" * 5000,
+    ],
+)
+def test_unparseable_or_poisoned_bodies_are_4xx(service_url: str, raw: bytes) -> None:
+    response = httpx.post(f"{service_url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert 400 <= response.status_code < 500, response.text
+    assert "error" in response.json()
+
+
+def test_unknown_model_is_404_and_oversized_body_is_413(service_url: str) -> None:
+    unknown = httpx.post(f"{service_url}/v1/completions", json={"model": "gpt-5", "prompt": "x"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    huge = httpx.post(f"{service_url}/v1/completions", content=b"{" + b" " * (2 << 20) + b"}", headers={"content-type": "application/json"})
+    assert huge.status_code == 413
+
+    def chunks() -> object:
+        for _ in range(40):
+            yield b" " * 65536
+
+    chunked = httpx.post(f"{service_url}/translate", content=chunks(), headers={"content-type": "application/json"})  # type: ignore[arg-type]
+    assert chunked.status_code == 413 and "error" in chunked.json()
+
+
+def test_health_readiness_models_and_openapi(service_url: str) -> None:
+    assert httpx.get(f"{service_url}/healthz").status_code == 200
+    assert httpx.get(f"{service_url}/readyz").json() == {"status": "ready"}
+    models = httpx.get(f"{service_url}/v1/models").json()
+    assert {m["id"] for m in models["data"]} == {TEST_CONFIG.generator.name, TEST_CONFIG.translator.name}
+    spec = httpx.get(f"{service_url}/openapi.json").json()
+    for path in ("/v1/completions", "/v1/models", "/v1/translate", "/translate", "/languages", "/health", "/healthz", "/readyz"):
+        assert path in spec["paths"], path
+    assert {"400", "404", "429"} <= spec["paths"]["/v1/completions"]["post"]["responses"].keys()
+    assert "application/x-www-form-urlencoded" in spec["paths"]["/translate"]["post"]["requestBody"]["content"]
