@@ -17,6 +17,7 @@ from service.api.app import create_api
 from service.api.backend import Backends
 from service.config import ModelServingConfig, ServiceConfig
 from service.deployments import ModelDeployment
+from service.metrics import request_failure_counter
 
 READY_TIMEOUT_S = 2.0
 
@@ -47,7 +48,14 @@ class Ingress:
 
     def __init__(self, config: ServiceConfig, translator: DeploymentHandle[Any], generator: DeploymentHandle[Any]) -> None:
         backends = Backends(RayBackend(config.translator.name, translator), RayBackend(config.generator.name, generator))
-        self.api = create_api(config, backends)
+        self.failures = request_failure_counter()
+        self.config = config
+        self.api = create_api(config, backends, self.count_failure)
+
+    def count_failure(self, path: str, reason: str) -> None:
+        """Requests refused by the ingress itself (validation), by the model the route serves."""
+        model = self.config.generator.name if path.startswith("/v1/completions") else self.config.translator.name
+        self.failures.inc(1, tags={"model": model, "reason": reason})
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.api

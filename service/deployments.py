@@ -15,6 +15,7 @@ from service.engine.async_engine import AsyncEngine
 from service.engine.engine import Engine, EngineConfig
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from service.engine.request import GenerationParams, Request
+from service.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class ModelDeployment:
         engine_config = EngineConfig(n_slots=config.n_slots, max_waiting=config.max_waiting, max_prefill_tokens=config.max_prefill_tokens)
         engine = Engine.from_checkpoint(config.checkpoint, engine_config, device, dtype)
         self._warm_up(engine)
+        self.metrics = ServingMetrics(config.name)
+        engine.on_step = self.metrics.record_step
         self.engine = AsyncEngine(engine)
         self.runner = engine.runner
         log.info("%s ready on %s (%s), KV cache %.1f MB", config.name, device, dtype, self.runner.kv_cache_bytes / 1e6)
@@ -87,12 +90,15 @@ class ModelDeployment:
             params = self._params(payload, len(prompt_ids))
             stream = await self.engine.submit(prompt_ids, params)
         except InvalidRequestError as error:
+            self.metrics.record_failure("validation")
             yield error_item("invalid", str(error), error.param)
             return
         except QueueFullError as error:
+            self.metrics.record_failure("overloaded")
             yield error_item("overloaded", str(error))
             return
         except EngineDeadError as error:
+            self.metrics.record_failure("internal")
             yield error_item("unavailable", str(error))
             return
         async for delta in stream:

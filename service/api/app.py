@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import openai_routes, translation_routes
 from service.api.backend import Backends
-from service.api.errors import error_response, install_error_handlers
+from service.api.errors import FailureHook, error_response, install_error_handlers
 from service.config import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class EdgeMiddleware:
             await response(scope, receive, send)
 
 
-def create_api(config: ServiceConfig, backends: Backends) -> FastAPI:
+def create_api(config: ServiceConfig, backends: Backends, on_failure: FailureHook | None = None) -> FastAPI:
     """The HTTP application over two model backends (Ray handles in production, anything that
     streams dicts in a test). Routes read `app.state.config` and `app.state.backends`."""
     api = FastAPI(
@@ -83,7 +83,7 @@ def create_api(config: ServiceConfig, backends: Backends) -> FastAPI:
     api.state.started = int(time.time())
     api.state.config = config
     api.state.backends = backends
-    install_error_handlers(api)
+    install_error_handlers(api, on_failure)
     api.add_middleware(EdgeMiddleware, max_bytes=config.max_body_bytes)
     api.include_router(openai_routes.router)
     api.include_router(translation_routes.router)

@@ -34,7 +34,7 @@ async def open_stream(backend: ModelBackend, payload: dict[str, Any], retry_afte
         await stream.aclose()
         e = first["error"]
         status = STATUS_OF_ERROR.get(e["kind"], 500)
-        raise APIError(status, e["message"], e.get("param"), retry_after if status in (429, 503) else None)
+        raise APIError(status, e["message"], e.get("param"), retry_after if status in (429, 503) else None, counted=True)
     return _prepend(first, stream)
 
 

@@ -1,6 +1,7 @@
 """Errors in the shapes clients know: OpenAI's envelope under /v1, LibreTranslate's {"error": ...}
 elsewhere. Validation is 400 and names the parameter; nothing echoes the input back."""
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,9 +19,14 @@ ERROR_TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None) -> None:
+    """counted: a model replica refused the request and has already counted the failure."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None, counted: bool = False) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.retry_after = status, message, param, retry_after
+        self.status, self.message, self.param, self.retry_after, self.counted = status, message, param, retry_after, counted
+
+
+FailureHook = Callable[[str, str], None]  # (request path, failure reason) for requests refused here
 
 
 def error_response(path: str, status: int, message: str, param: str | None = None, retry_after: int | None = None) -> JSONResponse:
@@ -38,13 +44,20 @@ def _param(location: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in location if p not in ("body", "query", "form")) or "body"
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_failure: FailureHook | None = None) -> None:
+    def count(request: Request, reason: str) -> None:
+        if on_failure is not None:
+            on_failure(request.url.path, reason)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
+        if not error.counted:
+            count(request, "validation" if error.status < 500 else "internal")
         return error_response(request.url.path, error.status, error.message, error.param, error.retry_after)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        count(request, "validation")
         first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
         param = _param(tuple(first.get("loc", ())))
         message = f"{param}: {first.get('msg', 'invalid value')}"  # the message only, never the input
@@ -56,4 +69,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        count(request, "internal")
         return error_response(request.url.path, 500, "internal error")

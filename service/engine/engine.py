@@ -3,6 +3,7 @@ async_engine.py for the front that serves many callers."""
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.errors import InvalidRequestError
 from service.engine.request import Delta, FinishReason, Request
 from service.engine.runner import ModelRunner, StepResult, runner_for
-from service.engine.scheduler import BatchingPolicy, Scheduler
+from service.engine.scheduler import BatchingPolicy, Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +29,30 @@ class EngineConfig:
     policy: BatchingPolicy = "continuous"
 
 
+@dataclass(frozen=True)
+class FinishedRecord:
+    reason: FinishReason
+    queue_seconds: float | None  # arrival -> admission; None when it never left the queue
+    e2e_seconds: float  # arrival -> finish
+    prompt_tokens: int
+    generated_tokens: int
+
+
 @dataclass
-class StepStats:
-    """What the last step did (for metrics and benchmarks)."""
+class StepReport:
+    """What one step did, for metrics and benchmarks. Latencies are in seconds."""
 
     batch_size: int = 0
-    prefill_requests: int = 0
     prefill_tokens: int = 0
+    prefill_seconds: float = 0.0  # prompt / encoder pass of the admitted requests
     seconds: float = 0.0
+    generated_tokens: int = 0
+    first_token_latencies: list[float] = field(default_factory=list)  # arrival -> first token
+    inter_token_latencies: list[float] = field(default_factory=list)  # previous token -> this one
+    finished: list[FinishedRecord] = field(default_factory=list)
+    running: int = 0  # after the step
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
 
 
 @dataclass
@@ -53,8 +70,9 @@ class Engine:
         self.scheduler = Scheduler(config.n_slots, config.max_waiting, config.max_prefill_tokens, config.policy)
         self.strip_leading_space = strip_leading_space
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.last_step = StepStats()
         self.counters = EngineCounters()
+        self.on_step: Callable[[StepReport], None] | None = None  # e.g. metrics; called from the stepping thread
+        self._report = StepReport()
 
     @classmethod
     def from_checkpoint(cls, directory: Path, config: EngineConfig, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Engine":
@@ -97,9 +115,11 @@ class Engine:
         they have been finished with reason "error", so the caller can report it and go on.
         """
         started = time.perf_counter()
+        self._report = StepReport()
         plan = self.scheduler.schedule()
         deltas = [self._finish(r, "abort") for r in plan.aborted]
         if plan.is_empty:
+            self._publish_report(plan, started)
             return deltas
         try:
             results = self.runner.execute(plan)
@@ -108,19 +128,44 @@ class Engine:
             for r in plan.prefill + plan.decode:
                 self.scheduler.finish(r, "error")
                 deltas.append(self._finish(r, "error", error=f"internal error: {type(error).__name__}"))
+            self._publish_report(plan, started)
             raise StepError(deltas) from error
         now = time.monotonic()
         for r in plan.prefill + plan.decode:
             delta = self._update(r, results[r.request_id], now)
             if delta is not None:
                 deltas.append(delta)
-        self._record(plan.batch_size, len(plan.prefill), sum(len(r.prompt_ids) for r in plan.prefill), time.perf_counter() - started)
+        self._publish_report(plan, started)
         return deltas
+
+    def _publish_report(self, plan: SchedulerOutput, started: float) -> None:
+        report = self._report
+        report.batch_size = plan.batch_size
+        report.prefill_tokens = sum(len(r.prompt_ids) for r in plan.prefill)
+        report.prefill_seconds = self.runner.last_prefill_seconds if plan.prefill else 0.0
+        report.seconds = time.perf_counter() - started
+        report.running, report.waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        report.kv_cache_usage = self.scheduler.kv_usage
+        if plan.batch_size:
+            self.counters.steps += 1
+            self.counters.batch_size_sum += plan.batch_size
+            self.counters.max_batch_size = max(self.counters.max_batch_size, plan.batch_size)
+        if self.on_step is not None:
+            self.on_step(report)
+
+    def _token_timing(self, r: Request, now: float, tokens: int) -> None:
+        if r.first_token_time is None:
+            r.first_token_time = now
+            self._report.first_token_latencies.append(now - r.arrival_time)
+        else:
+            self._report.inter_token_latencies.append(now - r.last_token_time)
+        r.last_token_time = now
+        self._report.generated_tokens += tokens
 
     def _update(self, r: Request, result: StepResult, now: float) -> Delta | None:
         if result.hypotheses is not None:
-            r.first_token_time = r.first_token_time or now
             best = result.hypotheses[0].tokens
+            self._token_timing(r, now, len(best))
             r.output_ids = best
             reason: FinishReason = "length" if len(best) >= r.params.max_tokens else "stop"
             texts = [self.runner.tokenizer.decode(h.tokens) for h in result.hypotheses]
@@ -128,7 +173,7 @@ class Engine:
             return self._finish(r, reason, text=texts[0], alternatives=texts[1:])
         if result.token is None:
             return None  # a beam search still running: nothing to stream
-        r.first_token_time = r.first_token_time or now
+        self._token_timing(r, now, 1)
         if result.token == EOS_ID:
             self.scheduler.finish(r, "stop")
             return self._finish(r, "stop")
@@ -157,6 +202,9 @@ class Engine:
             text += detokenizer.flush()
         self.runner.release(r)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        now = time.monotonic()
+        queue_seconds = r.scheduled_time - r.arrival_time if r.scheduled_time is not None else None
+        self._report.finished.append(FinishedRecord(reason, queue_seconds, now - r.arrival_time, len(r.prompt_ids), len(r.output_ids)))
         return Delta(
             r.request_id,
             text,
@@ -167,12 +215,6 @@ class Engine:
             completion_tokens=len(r.output_ids),
             error=error,
         )
-
-    def _record(self, batch_size: int, prefill_requests: int, prefill_tokens: int, seconds: float) -> None:
-        self.last_step = StepStats(batch_size, prefill_requests, prefill_tokens, seconds)
-        self.counters.steps += 1
-        self.counters.batch_size_sum += batch_size
-        self.counters.max_batch_size = max(self.counters.max_batch_size, batch_size)
 
 
 class StepError(Exception):

@@ -44,6 +44,7 @@ class Request:
     generator: torch.Generator | None = None  # per-request sampling randomness
     scheduled_time: float | None = None  # when it left the waiting queue
     first_token_time: float | None = None
+    last_token_time: float = 0.0
 
     @property
     def slots_needed(self) -> int:

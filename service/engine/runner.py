@@ -1,6 +1,7 @@
 """Model runners: one step of tensors for the requests a plan names. Token ids in, token ids out."""
 
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +31,7 @@ class StepResult:
 class ModelRunner(Protocol):
     tokenizer: Tokenizer
     max_prompt_len: int  # longest prompt (generator) or source (translator), in tokens
+    last_prefill_seconds: float  # the prompt / encoder pass of the last execute()
 
     def max_new_tokens(self, prompt_length: int) -> int:
         """The most tokens a request with this prompt can generate before its slot is full."""
@@ -69,6 +71,7 @@ class GeneratorRunner:
         self.cache = KVCache(c.n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
         self.max_len = c.max_len
         self.max_prompt_len = c.max_len - 1
+        self.last_prefill_seconds = 0.0
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
         self.fixed_shape = FixedShapeDecoder(model, self.cache, capture=self.device.type == "cuda") if fixed_shape_decode else None
@@ -93,7 +96,9 @@ class GeneratorRunner:
     def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]:
         results: dict[str, StepResult] = {}
         if plan.prefill:
+            started = time.perf_counter()
             results.update(self._prefill(plan.prefill))
+            self.last_prefill_seconds = time.perf_counter() - started
         if plan.decode:
             results.update(self._decode(plan.decode))
         return results
@@ -140,6 +145,7 @@ class TranslatorRunner:
         self.cross_cache = CrossAttentionCache(n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
         self.max_len = c.max_len
         self.max_prompt_len = c.max_len
+        self.last_prefill_seconds = 0.0
         self._beams: dict[str, BeamState] = {}
         self._beam_tokens: dict[str, list[int]] = {}  # the last token of each live beam
 
@@ -163,7 +169,9 @@ class TranslatorRunner:
     @torch.no_grad()
     def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]:
         if plan.prefill:
+            started = time.perf_counter()
             self._encode(plan.prefill)
+            self.last_prefill_seconds = time.perf_counter() - started
         return self._decode(plan.prefill + plan.decode)
 
     def _encode(self, requests: list[Request]) -> None:

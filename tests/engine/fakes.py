@@ -30,6 +30,7 @@ class FakeRunner:
     executed: list[SchedulerOutput] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     step_seconds: float = 0.0  # simulated model time per step
+    last_prefill_seconds: float = 0.0
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return 1000

@@ -29,6 +29,9 @@ TEST_CONFIG = ServiceConfig(
 )
 
 
+SESSION: dict[str, str] = {}  # what the running session exposes besides its URL
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -44,7 +47,9 @@ def service_url() -> Iterator[str]:
 
     os.environ.update(RAY_ENVIRONMENT)
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=free_port(), logging_level="warning")
+    metrics_port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port, logging_level="warning")
+    SESSION["metrics_url"] = f"http://127.0.0.1:{metrics_port}/metrics"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(TEST_CONFIG), name=APP_NAME, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
@@ -55,6 +60,12 @@ def service_url() -> Iterator[str]:
     yield url
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def metrics_url(service_url: str) -> str:
+    """Ray's Prometheus endpoint of this node (custom metrics are exported as ray_<name>)."""
+    return SESSION["metrics_url"]
 
 
 def replica_stats(deployment: str, calls: int = 30) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,108 @@
+"""Prometheus metrics, defined once and recorded from inside the replicas through
+`ray.serve.metrics`, so Ray's per-node endpoint exports them (as `ray_<name>`) with the
+`deployment`, `replica` and `application` tags beside Ray's own `ray_serve_*` metrics.
+
+Names follow vLLM's (see ../shared/docs/API.md); labels never carry anything a user sends.
+"""
+
+from typing import Any
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from service.engine.engine import StepReport
+
+# Both CPU (tens of ms per token) and GPU (sub-ms) latencies land in distinct buckets.
+LATENCY_BUCKETS = [
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+BATCH_BUCKETS = [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 256.0]
+FAILURE_REASONS = ("validation", "overloaded", "cancelled", "timeout", "internal")
+ENGINE_FAILURES = {"abort": "cancelled", "error": "internal"}
+
+
+def request_failure_counter() -> Counter:
+    """Also used by the ingress, which refuses malformed requests before any replica sees them."""
+    tags: Any = ("model", "reason")
+    return Counter("serving_request_failure_total", "Failed requests by reason.", tags)
+
+
+class ServingMetrics:
+    """One model's metrics in one replica (or the ingress, which only counts failures)."""
+
+    def __init__(self, model: str) -> None:
+        tags = ("model",)
+        self.ttft = Histogram("serving_time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS, tags)
+        self.itl = Histogram("serving_inter_token_latency_seconds", "Time between two tokens of a stream.", LATENCY_BUCKETS, tags)
+        self.queue = Histogram("serving_request_queue_time_seconds", "Arrival to admission into the running batch.", LATENCY_BUCKETS, tags)
+        self.e2e = Histogram("serving_e2e_request_latency_seconds", "Arrival to the last token.", LATENCY_BUCKETS, tags)
+        self.prefill = Histogram(
+            "serving_prefill_seconds", "Prompt (generator) or encoder (translator) pass of one step.", LATENCY_BUCKETS, tags
+        )
+        self.batch_size = Histogram("serving_batch_size", "Sequences in one engine step.", BATCH_BUCKETS, tags)
+        self.running = Gauge("serving_num_requests_running", "Requests in the running batch.", tags)
+        self.waiting = Gauge("serving_num_requests_waiting", "Requests in the engine's queue.", tags)
+        self.kv_usage = Gauge("serving_kv_cache_usage_ratio", "Fraction of KV-cache slots in use (0-1).", tags)
+        self.prompt_tokens = Counter("serving_prompt_tokens_total", "Prompt tokens admitted.", tags)
+        self.generation_tokens = Counter("serving_generation_tokens_total", "Tokens generated.", tags)
+        two_tags: Any = ("model", "finished_reason")  # Ray annotates tag_keys as a 1-tuple
+        self.success = Counter("serving_request_success_total", "Finished requests by finish reason.", two_tags)
+        self.failure = request_failure_counter()
+        metrics: list[Counter | Gauge | Histogram] = [
+            self.ttft, self.itl, self.queue, self.e2e, self.prefill, self.batch_size, self.running, self.waiting, self.kv_usage,
+            self.prompt_tokens, self.generation_tokens, self.success, self.failure,
+        ]  # fmt: skip
+        for metric in metrics:
+            metric.set_default_tags({"model": model})
+        self.running.set(0)
+        self.waiting.set(0)
+        self.kv_usage.set(0)
+
+    def record_failure(self, reason: str) -> None:
+        assert reason in FAILURE_REASONS, reason
+        self.failure.inc(1, tags={"reason": reason})
+
+    def record_step(self, report: StepReport) -> None:
+        """Called by the engine thread after every step."""
+        for value in report.first_token_latencies:
+            self.ttft.observe(value)
+        for value in report.inter_token_latencies:
+            self.itl.observe(value)
+        if report.batch_size:
+            self.batch_size.observe(report.batch_size)
+        if report.prefill_tokens:
+            self.prefill.observe(report.prefill_seconds)
+            self.prompt_tokens.inc(report.prefill_tokens)
+        if report.generated_tokens:
+            self.generation_tokens.inc(report.generated_tokens)
+        for record in report.finished:
+            if record.queue_seconds is not None:
+                self.queue.observe(record.queue_seconds)
+            if record.reason in ENGINE_FAILURES:
+                self.record_failure(ENGINE_FAILURES[record.reason])
+            else:
+                self.e2e.observe(record.e2e_seconds)
+                self.success.inc(1, tags={"finished_reason": record.reason})
+        self.running.set(report.running)
+        self.waiting.set(report.waiting)
+        self.kv_usage.set(report.kv_cache_usage)
