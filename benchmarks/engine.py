@@ -208,7 +208,7 @@ def main() -> None:
     batching = batching_speedup(16, tokens)
     results["batching_speedup_16"] = batching["speedup"]
     results.update({k: v for k, v in batching.items() if k != "speedup"})
-    results.update(continuous_vs_static(24 if args.quick else 64, 16, batching["tokens_per_s_16"], load=1.0, seed=0))
+    results.update(continuous_vs_static(24 if args.quick else 64, 16, batching["tokens_per_s_16"], load=1.5, seed=0))
     sentences = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")
     results.update(translator_throughput(sentences[:100] if args.quick else sentences, 20 if args.quick else 100))
     rows = concurrency_curve([1, 2, 4, 8, 16, 32] if not args.quick else [1, 4], 32 if args.quick else 64)

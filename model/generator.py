@@ -1,12 +1,10 @@
 """Decoder-only Transformer language model, laid out as GPT-NeoX (sequential residual, rotary positions)."""
 
-import torch
 from torch import Tensor, nn
 
 from model.attention import SelfAttentionCache
 from model.config import GeneratorConfig
 from model.layers import DecoderLayer
-from model.masks import causal_mask, positions_mask
 from model.positions import PositionEncoder
 
 
@@ -43,17 +41,7 @@ class Generator(nn.Module):
         Without caches, ids is the whole (right-padded) sequence from position 0. With caches,
         ids are new tokens at `positions` (B, T), attending to cache_length cached keys.
         """
-        B, T = ids.shape
-        if positions is None:
-            positions = torch.arange(T, device=ids.device).expand(B, T)
-        if caches is None:
-            mask = causal_mask(T, ids.device)
-            key_positions = positions
-        else:
-            mask = positions_mask(positions, cache_length)
-            key_positions = torch.arange(cache_length, device=ids.device).expand(B, cache_length)
-        mask = self.positions.bias(mask, positions, key_positions)
-        rope = self.positions.rope(positions)
+        positions, mask, rope = self.positions.causal_self_attention(ids, positions, cache_length if caches is not None else None)
         x = self.dropout(self.positions.embed(self.embed(ids), positions))  # (B, T, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, rope, caches[i] if caches is not None else None)

@@ -5,6 +5,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from model.masks import causal_mask, positions_mask
+
 
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
     """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)). Shape (max_len, d_model)."""
@@ -95,6 +97,24 @@ class PositionEncoder(nn.Module):
         if self.kind != "rope":
             return None
         return self.cos[positions][:, None], self.sin[positions][:, None]
+
+    def causal_self_attention(
+        self, ids: Tensor, positions: Tensor | None, cache_length: int | None
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        """(positions, mask, rope) for causal self-attention over ids (B, T).
+
+        positions defaults to 0..T-1. Without a cache (cache_length None) queries attend to ids
+        themselves; with one, to cache_length cached keys at absolute positions.
+        """
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        if cache_length is None:
+            mask, key_positions = causal_mask(T, ids.device), positions
+        else:
+            mask = positions_mask(positions, cache_length)
+            key_positions = torch.arange(cache_length, device=ids.device).expand(B, cache_length)
+        return positions, self.bias(mask, positions, key_positions), self.rope(positions)
 
     def bias(self, mask: Tensor, query_positions: Tensor, key_positions: Tensor) -> Tensor:
         """Folds ALiBi's distance penalty into a boolean mask; returns the mask unchanged otherwise."""

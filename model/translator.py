@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from model.attention import SelfAttentionCache
 from model.config import TranslatorConfig
 from model.layers import DecoderLayer, EncoderLayer
-from model.masks import causal_mask, padding_mask, positions_mask
+from model.masks import padding_mask
 from model.positions import PositionEncoder
 
 
@@ -84,17 +84,7 @@ class Translator(nn.Module):
         Without caches the whole prefix is given; with caches, tgt_ids are the new tokens at
         `positions` (B, T) and keys come from the caches (cache_length keys each).
         """
-        B, T = tgt_ids.shape
-        if positions is None:
-            positions = torch.arange(T, device=tgt_ids.device).expand(B, T)
-        if caches is None:
-            self_mask = causal_mask(T, tgt_ids.device)
-            key_positions = positions
-        else:
-            self_mask = positions_mask(positions, cache_length)
-            key_positions = torch.arange(cache_length, device=tgt_ids.device).expand(B, cache_length)
-        self_mask = self.positions.bias(self_mask, positions, key_positions)
-        rope = self.positions.rope(positions)
+        positions, self_mask, rope = self.positions.causal_self_attention(tgt_ids, positions, cache_length if caches is not None else None)
         x = self._embed(tgt_ids, positions)
         for i, layer in enumerate(self.decoder_layers):
             cache = caches[i] if caches is not None else None

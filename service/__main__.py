@@ -69,7 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     from service.app import build_app
 
     os.environ.update(RAY_ENVIRONMENT)
-    ray.init(include_dashboard=False, _metrics_export_port=args.metrics_port, configure_logging=True, logging_level=logging.WARNING)
+    ray.init(
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        _metrics_export_port=args.metrics_port,
+        configure_logging=True,
+        logging_level=logging.WARNING,
+    )
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name="transformers", route_prefix="/")
     url = f"http://{args.host}:{args.port}"

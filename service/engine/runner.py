@@ -92,7 +92,7 @@ class GeneratorRunner:
     def release(self, request: Request) -> None:
         pass  # the scheduler frees the slot; stale cache rows are overwritten before they are read
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]:
         results: dict[str, StepResult] = {}
         if plan.prefill:
@@ -166,7 +166,7 @@ class TranslatorRunner:
         self._beams.pop(request.request_id, None)
         self._beam_tokens.pop(request.request_id, None)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]:
         if plan.prefill:
             started = time.perf_counter()

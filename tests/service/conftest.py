@@ -48,7 +48,7 @@ def service_url() -> Iterator[str]:
     os.environ.update(RAY_ENVIRONMENT)
     port = free_port()
     metrics_port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port, logging_level="warning")
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", _metrics_export_port=metrics_port, logging_level="warning")
     SESSION["metrics_url"] = f"http://127.0.0.1:{metrics_port}/metrics"
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(TEST_CONFIG), name=APP_NAME, route_prefix="/")
