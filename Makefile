@@ -26,3 +26,19 @@ test: lint typecheck
 
 serve: $(STAMP)
 	$(BIN)/python -m service
+
+# make loadtest: 60 s of the traffic mix (loadtests/locustfile.py) against a running `make serve`;
+# CSV and HTML report in loadtests/results/. Exits 1 on any failure or a breached threshold.
+LOADTEST_HOST ?= http://127.0.0.1:8000
+.PHONY: loadtest
+loadtest: $(STAMP)
+	mkdir -p loadtests/results
+	$(BIN)/python -m locust -f loadtests/locustfile.py --headless -u 8 -r 2 -t 60s --host $(LOADTEST_HOST) \
+		--csv loadtests/results/run --html loadtests/results/report.html --exit-code-on-error 1 --only-summary
+
+# make monitor: Prometheus on 127.0.0.1:9090 scraping the local service's metrics (127.0.0.1:8080)
+# with the alerts of deploy/prometheus/alerts.yml; Grafana's provisioning is in deploy/grafana.
+.PHONY: monitor
+monitor:
+	promtool check config deploy/prometheus/prometheus.yml
+	prometheus --config.file=deploy/prometheus/prometheus.yml --web.listen-address=127.0.0.1:9090 --storage.tsdb.path=.prometheus-data
