@@ -78,6 +78,16 @@ def rejected(response: ResponseContextManager) -> bool:
     return True
 
 
+def accepted(response: ResponseContextManager) -> bool:
+    """True for a 200; a 429/503 is recorded as rejected and anything else as a failure."""
+    if rejected(response):
+        return False
+    if response.status_code != 200:
+        response.failure(f"status {response.status_code}")
+        return False
+    return True
+
+
 class StreamError(Exception):
     """A stream that did not follow OpenAI's SSE format up to `data: [DONE]`."""
 
@@ -106,10 +116,7 @@ class TranslationUser(HttpUser):
 
     def post_translation(self, path: str, name: str, body: dict[str, Any], expected: int) -> None:
         with self.client.post(path, json=body, name=name, catch_response=True, timeout=TIMEOUT_S) as response:
-            if rejected(response):
-                return
-            if response.status_code != 200:
-                response.failure(f"status {response.status_code}")
+            if not accepted(response):
                 return
             try:
                 answer = response.json()
@@ -161,10 +168,7 @@ class StreamingGeneratorUser(HttpUser):
 
     def check_stream(self, response: ResponseContextManager, start: float) -> None:
         """Classifies the response (rejected, failed, or streamed) and fires the stream's events."""
-        if rejected(response):
-            return
-        if response.status_code != 200:
-            response.failure(f"status {response.status_code}")
+        if not accepted(response):
             return
         try:
             tokens = self.read_stream(response, start)
