@@ -8,6 +8,7 @@ throughput and p99 latency against concurrency into --out.
 
 import argparse
 import json
+import os
 import random
 import resource
 import time
@@ -194,9 +195,16 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--quick", action="store_true", help="smaller runs, to check the script")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads, as a Serve replica runs: Ray sets OMP_NUM_THREADS to its num_cpus (1 in deploy/)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_checkpoint(DEFAULT_GENERATOR)
     assert isinstance(model, Generator)
     new_tokens = 64 if args.quick else 256
@@ -204,6 +212,11 @@ def main() -> None:
     new_tokens = min(new_tokens, model.config.max_len - len(prompt))
     results: dict[str, object] = {"device": "cpu", "torch_threads": torch.get_num_threads(), "kv_cache_new_tokens": new_tokens}
     results.update(kv_cache_speedup(model, prompt, new_tokens))
+    cores = os.cpu_count() or 1
+    if cores != args.threads:  # the same ratio with every core on one request, where recomputation gains most
+        torch.set_num_threads(cores)
+        results[f"kv_cache_speedup_{cores}_threads"] = kv_cache_speedup(model, prompt, new_tokens)["kv_cache_speedup"]
+        torch.set_num_threads(args.threads)
     tokens = 32 if args.quick else 128
     batching = batching_speedup(16, tokens)
     results["batching_speedup_16"] = batching["speedup"]

@@ -1,5 +1,7 @@
 """Decoder-only Transformer language model, laid out as GPT-NeoX (sequential residual, rotary positions)."""
 
+from collections.abc import Sequence
+
 from torch import Tensor, nn
 
 from model.attention import SelfAttentionCache
@@ -33,7 +35,7 @@ class Generator(nn.Module):
         self,
         ids: Tensor,
         positions: Tensor | None = None,
-        caches: list[SelfAttentionCache] | None = None,
+        caches: Sequence[SelfAttentionCache] | None = None,
         cache_length: int = 0,
     ) -> Tensor:
         """Next-token logits (B, T, vocab) for every position of ids (B, T).

@@ -4,10 +4,22 @@ Every decode step sees tensors of the same shape (slots x heads x max_len x head
 layer), so memory is bounded by configuration and the GPU path can capture the step.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+
+def cache_rows(slots: Sequence[int] | Tensor, device: torch.device) -> tuple[Tensor, Tensor | slice]:
+    """Slots as an index tensor (for writes) and as a reader: a slice when a list of slots is
+    consecutive and ascending, so that reading the rows is a view instead of a gathered copy."""
+    if isinstance(slots, Tensor):
+        return slots, slots
+    index = torch.tensor(slots, device=device)
+    first = slots[0]
+    consecutive = list(slots) == list(range(first, first + len(slots)))
+    return index, slice(first, first + len(slots)) if consecutive else index
 
 
 @dataclass
@@ -17,6 +29,7 @@ class CacheView:
     keys: Tensor  # (N, H, L, D) the layer's whole cache
     values: Tensor
     slots: Tensor  # (B,) cache rows of the batch
+    rows: Tensor | slice  # the same rows for reading: a slice (a view, no copy) when they are consecutive
     positions: Tensor  # (B, T) positions of the new tokens
     length: int  # keys [0, length) are returned to attend over
 
@@ -25,7 +38,7 @@ class CacheView:
         rows = self.slots[:, None]  # (B, 1) broadcast against positions (B, T)
         self.keys[rows, :, self.positions] = k.transpose(1, 2).to(self.keys.dtype)  # indexed as (B, T, H, D)
         self.values[rows, :, self.positions] = v.transpose(1, 2).to(self.values.dtype)
-        return self.keys[self.slots, :, : self.length], self.values[self.slots, :, : self.length]
+        return self.keys[self.rows, :, : self.length], self.values[self.rows, :, : self.length]
 
 
 class KVCache:
@@ -46,10 +59,14 @@ class KVCache:
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.n_slots, self.max_len = n_slots, max_len
 
-    def views(self, slots: Tensor, positions: Tensor, length: int) -> list[CacheView]:
-        """Per-layer views for a step writing `positions` (B, T) of rows `slots` (B,)."""
+    def views(self, slots: Sequence[int] | Tensor, positions: Tensor, length: int) -> list[CacheView]:
+        """Per-layer views for a step writing `positions` (B, T) of rows `slots` (B,).
+
+        Consecutive ascending slots given as a list are read through a slice, without gathering.
+        """
         assert length <= self.max_len, "keys beyond the cache"  # positions are checked by the caller (no device sync here)
-        return [CacheView(k, v, slots, positions, length) for k, v in zip(self.keys, self.values, strict=True)]
+        index, rows = cache_rows(slots, self.keys[0].device)
+        return [CacheView(k, v, index, rows, positions, length) for k, v in zip(self.keys, self.values, strict=True)]
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
         """Row dst[i] becomes a copy of row src[i] (beam search reordering); sources are read first."""
@@ -90,10 +107,11 @@ class CrossAttentionCache:
         self.src_valid[slots] = False
         self.src_valid[slots, :S] = src_valid
 
-    def read(self, slots: Tensor, length: int) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+    def read(self, slots: Sequence[int] | Tensor, length: int) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
         """Keys/values (B, H, length, D) per layer and the source mask (B, 1, 1, length)."""
-        kv = [(k[slots, :, :length], v[slots, :, :length]) for k, v in zip(self.keys, self.values, strict=True)]
-        return kv, self.src_valid[slots, :length][:, None, None, :]
+        _, rows = cache_rows(slots, self.src_valid.device)
+        kv = [(k[rows, :, :length], v[rows, :, :length]) for k, v in zip(self.keys, self.values, strict=True)]
+        return kv, self.src_valid[rows, :length][:, None, None, :]
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
         for cache in self.keys + self.values:

@@ -5,6 +5,7 @@ output projection, embeddings scaled by sqrt(d_model).
 """
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -75,7 +76,7 @@ class Translator(nn.Module):
         memory_kv: list[tuple[Tensor, Tensor]],
         src_mask: Tensor,
         positions: Tensor | None = None,
-        caches: list[SelfAttentionCache] | None = None,
+        caches: Sequence[SelfAttentionCache] | None = None,
         cache_length: int = 0,
     ) -> Tensor:
         """Next-token logits for every target position, (B, T, vocab).

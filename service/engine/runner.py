@@ -14,7 +14,7 @@ from model.data import pad
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, KVCache
 from model.sampling import sample_next
-from model.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from model.translate import max_new_tokens_for
 from model.translator import Translator
 from service.engine.fixed_shape import FixedShapeDecoder
@@ -106,9 +106,9 @@ class GeneratorRunner:
     def _prefill(self, requests: list[Request]) -> dict[str, StepResult]:
         ids = pad([r.prompt_ids for r in requests]).to(self.device)  # (B, T) right-padded
         B, T = ids.shape
-        slots = torch.tensor([r.slots[0] for r in requests], device=self.device)
+        slots = [r.slots[0] for r in requests]
         positions = torch.arange(T, device=self.device).expand(B, T)
-        logits = self.model(ids, positions, list(self.cache.views(slots, positions, T)), T)  # (B, T, V)
+        logits = self.model(ids, positions, self.cache.views(slots, positions, T), T)  # (B, T, V)
         last = torch.tensor([len(r.prompt_ids) - 1 for r in requests], device=self.device)
         tokens = _sample(logits[torch.arange(B, device=self.device), last], requests)
         return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
@@ -122,13 +122,32 @@ class GeneratorRunner:
             )
             tokens = _sample(logits, requests)
             return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
-        ids = torch.tensor([[r.output_ids[-1]] for r in requests], device=self.device)  # (B, 1)
-        positions = torch.tensor([[len(r.prompt_ids) + len(r.output_ids) - 1] for r in requests], device=self.device)
-        slots = torch.tensor([r.slots[0] for r in requests], device=self.device)
-        length = int(positions.max()) + 1
-        logits = self.model(ids, positions, list(self.cache.views(slots, positions, length)), length)  # (B, 1, V)
-        tokens = _sample(logits[:, -1], requests)
+        by_slot = {r.slots[0]: r for r in requests}
+        rows = decode_rows(list(by_slot))
+        # Idle rows feed a pad token at the last position, which every sequence writes before it reads it.
+        ids = torch.tensor([[by_slot[s].output_ids[-1] if s in by_slot else PAD_ID] for s in rows], device=self.device)  # (R, 1)
+        positions = torch.tensor([[_position(by_slot[s]) if s in by_slot else self.max_len - 1] for s in rows], device=self.device)
+        length = max(_position(r) for r in requests) + 1
+        logits = self.model(ids, positions, self.cache.views(rows, positions, length), length)[:, -1]  # (R, V)
+        own_rows = torch.tensor([rows.index(r.slots[0]) for r in requests], device=self.device)
+        tokens = _sample(logits[own_rows], requests)
         return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
+
+
+def _position(r: Request) -> int:
+    """Position of the token a running generator request feeds this step (its latest)."""
+    return len(r.prompt_ids) + len(r.output_ids) - 1
+
+
+def decode_rows(slots: list[int]) -> list[int]:
+    """Cache rows a decode step runs: the consecutive span from the lowest to the highest slot, idle
+    rows included, so that every layer reads the cache through a view instead of gathering a
+    copy of each row (the copy grows with batch x length). A span more than twice the batch costs
+    more in idle rows than the gather saves; then just the slots, ascending."""
+    first, last = min(slots), max(slots)
+    if last - first + 1 <= 2 * len(slots):
+        return list(range(first, last + 1))
+    return sorted(slots)
 
 
 class TranslatorRunner:
@@ -193,15 +212,13 @@ class TranslatorRunner:
 
     def _decode(self, requests: list[Request]) -> dict[str, StepResult]:
         ids = torch.tensor([[t] for r in requests for t in self._last_tokens(r)], device=self.device)  # (R, 1)
-        slots = torch.tensor([s for r in requests for s in r.slots], device=self.device)
-        positions = torch.tensor(
-            [[self._step_of(r)] for r in requests for _ in r.slots],
-            device=self.device,
-        )  # (R, 1)
-        length = int(positions.max()) + 1
+        slots = [s for r in requests for s in r.slots]
+        steps = [self._step_of(r) for r in requests for _ in r.slots]
+        positions = torch.tensor(steps, device=self.device)[:, None]  # (R, 1)
+        length = max(steps) + 1
         src_length = max(len(r.prompt_ids) for r in requests)
         memory_kv, src_mask = self.cross_cache.read(slots, src_length)
-        logits = self.model.decode(ids, memory_kv, src_mask, positions, list(self.cache.views(slots, positions, length)), length)[:, -1]
+        logits = self.model.decode(ids, memory_kv, src_mask, positions, self.cache.views(slots, positions, length), length)[:, -1]
         results: dict[str, StepResult] = {}
         row = 0
         streamed = [r for r in requests if r.request_id not in self._beams]

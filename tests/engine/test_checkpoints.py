@@ -23,6 +23,24 @@ def test_generator_engine_equals_recomputation_on_the_shipped_checkpoint() -> No
         assert batched[r.request_id] == generate_greedy_uncached(model, r.prompt_ids, r.params.max_tokens)
 
 
+def test_idle_rows_in_the_decode_span_leave_outputs_unchanged() -> None:
+    # Slots 0-5 fill; 1-4 finish early, so 0 and 5 decode alone (rows gathered: span 6 > 2 x 2).
+    # g6 joins slot 1, so rows 0-5 decode as one span with idle rows 2-4 feeding pad tokens; g7 is
+    # prefilled into row 2 in a step whose decode span still runs row 2 as idle.
+    engine = Engine.from_checkpoint(DEFAULT_GENERATOR, EngineConfig(n_slots=8))
+    lengths = [30, 2, 2, 2, 2, 30, 12, 12]
+    prompts = ["ROMEO:\n", "A", "B", "C", "D", "JULIET:\nO Romeo", "KING HENRY:\n", "First Citizen:\nWe are"]
+    requests = [
+        Request(f"g{i}", engine.runner.encode_prompt(p), GenerationParams(max_tokens=n))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    batched = run(engine, {0: requests[:6], 6: requests[6:7], 9: requests[7:]})
+    model = engine.runner.model  # type: ignore[attr-defined]
+    for r in requests:
+        assert batched[r.request_id] == generate_greedy_uncached(model, r.prompt_ids, r.params.max_tokens)
+    assert engine.scheduler.slots.num_free == 8
+
+
 def test_translator_engine_equals_recomputation_on_the_shipped_checkpoint() -> None:
     sentences = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")[:8]
     engine = Engine.from_checkpoint(DEFAULT_TRANSLATOR, EngineConfig(n_slots=8))

@@ -12,7 +12,7 @@ from model.tokenizer import EOS_ID
 from model.translator import Translator
 from service.engine.engine import Engine, EngineConfig
 from service.engine.request import GenerationParams, Request
-from service.engine.runner import GeneratorRunner, TranslatorRunner
+from service.engine.runner import GeneratorRunner, TranslatorRunner, decode_rows
 from tests.engine.fakes import FakeTokenizer
 
 
@@ -116,3 +116,10 @@ def test_translator_engine_beam_search_equals_offline_beam_search() -> None:
     expected2 = beam_search(model, torch.tensor([sources[2]]), beam_size=3, max_new_tokens=10)[0]
     assert finals["b2"].text == tokenizer.decode(expected2[0].tokens)
     assert engine.scheduler.slots.num_free == 16
+
+
+def test_decode_rows_span_the_slots_unless_too_sparse() -> None:
+    assert decode_rows([3, 1, 2]) == [1, 2, 3]
+    assert decode_rows([0, 2]) == [0, 1, 2]
+    assert decode_rows([0, 3]) == [0, 1, 2, 3]
+    assert decode_rows([5, 0]) == [0, 5]  # a span of 6 rows for 2 sequences: gathered instead
