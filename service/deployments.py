@@ -49,7 +49,10 @@ class ModelDeployment:
         engine.on_step = self.metrics.record_step
         self.engine = AsyncEngine(engine)
         self.runner = engine.runner
-        log.info("%s ready on %s (%s), KV cache %.1f MB", config.name, device, dtype, self.runner.kv_cache_bytes / 1e6)
+        log.info(
+            "%s ready on %s (%s, %d torch threads), KV cache %.1f MB",
+            config.name, device, dtype, torch.get_num_threads(), self.runner.kv_cache_bytes / 1e6,
+        )  # fmt: skip
 
     @staticmethod
     def _warm_up(engine: Engine) -> None:
@@ -124,6 +127,7 @@ class ModelDeployment:
             "waiting": self.engine.num_waiting(),
             "free_slots": self.engine.engine.scheduler.slots.num_free,
             "steps": counters.steps,
+            "batch_size_sum": counters.batch_size_sum,
             "max_batch_size": counters.max_batch_size,
             "finished": dict(counters.finished),
         }

@@ -36,7 +36,9 @@ LATENCY_BUCKETS = [
     40.0,
     80.0,
 ]
-BATCH_BUCKETS = [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 256.0]
+# Ray rebuilds a histogram's sum from bucket midpoints, so one bucket per batch size up to 32
+# (edges at k + 0.5, midpoint k) keeps rate(sum) / rate(count), the mean batch, exact there.
+BATCH_BUCKETS = [k + 0.5 for k in range(33)] + [48.5, 64.5, 96.5, 128.5, 256.5]
 FAILURE_REASONS = ("validation", "overloaded", "cancelled", "timeout", "internal")
 ENGINE_FAILURES = {"abort": "cancelled", "error": "internal"}
 

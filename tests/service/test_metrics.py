@@ -17,7 +17,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.conftest import TEST_CONFIG, free_port
+from tests.service.conftest import TEST_CONFIG, free_port, replica_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -282,6 +282,37 @@ def test_every_panel_and_alert_evaluates_and_ttft_counts_every_request(service_u
         time.sleep(1)
     assert sorted(r["name"] for r in loaded) == sorted(name for name, _ in rules)
     assert all(r["health"] == "ok" for r in loaded), [(r["name"], r["health"], r.get("lastError")) for r in loaded]
+
+
+def test_mean_batch_size_read_from_the_metric_is_exact(service_url: str, metrics_url: str) -> None:
+    """sum / count of serving_batch_size, as the dashboard and the load sweep read it, equals the
+    engines' own count of sequences per step (Ray rebuilds the sum from bucket midpoints)."""
+    deployments = {
+        GENERATOR: ("Generator", TEST_CONFIG.generator.num_replicas),
+        TRANSLATOR: ("Translator", TEST_CONFIG.translator.num_replicas),
+    }
+
+    def metric() -> dict[str, float]:
+        names = ("ray_serving_batch_size_sum", "ray_serving_batch_size_count")
+        return {f"{model} {name}": scrape(metrics_url, name, model=model) for model in deployments for name in names}
+
+    def engines() -> dict[str, float]:
+        totals = {}
+        for model, (deployment, replicas) in deployments.items():
+            stats = replica_stats(deployment, calls=60)
+            assert len(stats) == replicas, f"{deployment}: {len(stats)} of {replicas} replicas answered"
+            totals[f"{model} ray_serving_batch_size_sum"] = float(sum(s["batch_size_sum"] for s in stats.values()))
+            totals[f"{model} ray_serving_batch_size_count"] = float(sum(s["steps"] for s in stats.values()))
+        return totals
+
+    metric_before, engines_before = settled(metric), engines()
+    asyncio.run(_mixed_load(service_url))
+    engines_after = engines()
+    engine_delta = {k: engines_after[k] - engines_before[k] for k in engines_after}
+    metric_after = settled(metric, lambda v: all(v[k] - metric_before[k] >= engine_delta[k] for k in v))
+    assert {k: metric_after[k] - metric_before[k] for k in metric_after} == engine_delta
+    steps, sequences = engine_delta[f"{GENERATOR} ray_serving_batch_size_count"], engine_delta[f"{GENERATOR} ray_serving_batch_size_sum"]
+    assert sequences / steps > 1  # the six concurrent streams were batched
 
 
 async def _flood(service_url: str) -> list[int]:
