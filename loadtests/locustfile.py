@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from locust import HttpUser, between, events, task
+from locust import HttpUser, events, task
 from locust.clients import ResponseContextManager
 from locust.env import Environment
 
@@ -55,6 +55,20 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--max-fail-ratio", type=float, default=0.01, env_var="LOCUST_MAX_FAIL_RATIO", help="Fail the run above this failure ratio"
     )
+    parser.add_argument(
+        "--think-max-seconds",
+        type=float,
+        default=1.0,
+        env_var="LOCUST_THINK_MAX_SECONDS",
+        help="Each user pauses uniformly up to this long (at least 0.2 s, if it allows) between requests; 0: back to back",
+    )
+
+
+def think_time(user: HttpUser) -> float:
+    """The pause before a user's next request, from --think-max-seconds."""
+    options = user.environment.parsed_options
+    high = options.think_max_seconds if options is not None else 1.0
+    return random.uniform(min(0.2, high), high)
 
 
 def fire(environment: Environment, name: str, seconds: float, length: int = 0, exception: Exception | None = None) -> None:
@@ -112,7 +126,7 @@ def sse_payloads(lines: Iterable[bytes | str]) -> Iterator[str]:
 class TranslationUser(HttpUser):
     """Single sentences and small lists through /v1/translate, and LibreTranslate's /translate."""
 
-    wait_time = between(0.2, 1.0)
+    wait_time = think_time
 
     def post_translation(self, path: str, name: str, body: dict[str, Any], expected: int) -> None:
         with self.client.post(path, json=body, name=name, catch_response=True, timeout=TIMEOUT_S) as response:
@@ -146,7 +160,7 @@ class TranslationUser(HttpUser):
 class StreamingGeneratorUser(HttpUser):
     """Streamed OpenAI completions (32-64 tokens) with TTFT, ITL and full-stream events."""
 
-    wait_time = between(0.2, 1.0)
+    wait_time = think_time
 
     @task
     def stream_completion(self) -> None:

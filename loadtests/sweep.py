@@ -3,9 +3,10 @@ throughput, latency percentiles and the generator's mean engine batch size.
 
     .venv/bin/python -m loadtests.sweep --host http://127.0.0.1:8000 --metrics-url http://127.0.0.1:8080/metrics
 
-Each step is one headless Locust run (a subprocess, `--step-seconds` long) of loadtests/locustfile.py;
-the users split evenly between the translation and the streaming generator user, so the smallest
-step is 2 users (one of each). Per step:
+Each step is one headless Locust run (a subprocess, `--step-seconds` long) of loadtests/locustfile.py.
+`--mix G:T` weighs the streaming generator user against the translation user (default 3:1: a
+generation service with translation beside it), and by default users do not pause between requests,
+so each user is one request in flight and the users of a step are its concurrency. Per step:
 
 - requests/s (HTTP requests of all routes, 429/503 excluded) and rejected/s (429/503), over the step's
   nominal length; translation requests/s alone for the translation curve;
@@ -63,10 +64,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--host", default="http://127.0.0.1:8000")
     parser.add_argument("--metrics-url", default="http://127.0.0.1:8080/metrics")
-    parser.add_argument("--users", default="2,4,8,16,24", help="comma-separated user counts, one step each")
-    parser.add_argument("--step-seconds", type=int, default=40)
+    parser.add_argument("--users", default="4,8,12,16,24,32,48", help="comma-separated user counts, one step each")
+    parser.add_argument("--step-seconds", type=int, default=60)
+    parser.add_argument("--mix", default="3:1", help="weights of the streaming generator and the translation user, G:T")
+    parser.add_argument(
+        "--think-max-seconds", type=float, default=0.0, help="users' pause between requests; 0: one request in flight per user"
+    )
     parser.add_argument("--settle-seconds", type=float, default=11.0, help="idle time before each metrics scrape (Ray exports every 10 s)")
-    parser.add_argument("--budget-seconds", type=float, default=360.0, help="no step starts that would end after this")
+    parser.add_argument("--budget-seconds", type=float, default=900.0, help="no step starts that would end after this")
     parser.add_argument("--out", type=Path, default=Path("loadtests/sweep"))
     parser.add_argument("--results", type=Path, default=Path("loadtests/results/sweep"))
     parser.add_argument("--from-json", type=Path, default=None, help="rewrite sweep.md and sweep.png from this sweep.json; runs nothing")
@@ -107,13 +112,19 @@ def percentiles(row: dict[str, str] | None) -> dict[str, float | None]:
     return {"p50": number(row["50%"]), "p95": number(row["95%"]), "p99": number(row["99%"])}
 
 
-def run_locust(users: int, seconds: int, host: str, prefix: Path) -> subprocess.CompletedProcess[str]:
+def run_locust(users: int, seconds: int, host: str, prefix: Path, think_max_seconds: float, mix: str) -> subprocess.CompletedProcess[str]:
     """One headless run; thresholds are disabled, since an overloaded step is data, not an error."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
+    generator_weight, translator_weight = (int(w) for w in mix.split(":"))
+    weights = [
+        {"user_class_name": "StreamingGeneratorUser", "weight": generator_weight},
+        {"user_class_name": "TranslationUser", "weight": translator_weight},
+    ]
     cmd = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
         "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--host", host, "--csv", str(prefix),
-        "--ttft-p95-ms", "1e12", "--max-fail-ratio", "1",
+        "--ttft-p95-ms", "1e12", "--max-fail-ratio", "1", "--think-max-seconds", str(think_max_seconds),
+        "--config-users", json.dumps(weights),
     ]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=False)
 
@@ -172,8 +183,9 @@ def cell(value: float | None, digits: int = 0) -> str:
 def markdown(result: dict[str, Any]) -> str:
     """The sweep as a markdown table plus the knee sentence."""
     lines = [
-        f"Sweep of {result['host']} on {result['date']}, {result['step_seconds']} s per step. Latencies in ms "
-        "(ITL: one sample per gap between streamed text frames; translate: one sentence, beam 4).",
+        f"Sweep of {result['host']} on {result['date']}, {result['step_seconds']} s per step, users weighted "
+        f"{result.get('mix', '1:1')} (streaming generator : translation), pausing up to {result.get('think_max_seconds', 1.0):g} s "
+        "between requests. Latencies in ms (ITL: one sample per gap between streamed text frames; translate: one sentence, beam 4).",
         "",
         "| users | req/s | rejected/s | failures | gen tok/s (client) | gen tok/s (server) | TTFT p50 | TTFT p95 | TTFT p99 "
         "| ITL p50 | ITL p95 | ITL p99 | translate p50 | translate p95 | translate p99 | mean gen batch (metric) | gen tokens/step |",
@@ -204,10 +216,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"{cell(knee.get('below_knee_tokens_per_step'), 2)} generated tokens per engine step."
         )
     lines.append(
-        "\nRay exports histogram sums rebuilt from bucket midpoints (a batch of 1 counts as 0.5, 2 as 1.5, 3-4 as 3, 5-8 as 6, ...), "
-        "so `mean gen batch (metric)` = delta(ray_serving_batch_size_sum) / delta(ray_serving_batch_size_count) is biased low. "
-        "`gen tokens/step` = delta(ray_serving_generation_tokens_total) / delta(ray_serving_batch_size_count) is not approximated "
-        "and equals the mean batch size as long as every sequence in a generator step emits one token."
+        "\n`mean gen batch (metric)` = delta(ray_serving_batch_size_sum) / delta(ray_serving_batch_size_count) of the generator. "
+        "Ray rebuilds histogram sums from bucket midpoints; the batch-size histogram has one bucket per size up to 32, so the "
+        "mean is exact. `gen tokens/step` = delta(ray_serving_generation_tokens_total) / delta(ray_serving_batch_size_count) "
+        "checks it: each sequence of a generator step emits one token."
     )
     if result["skipped_users"]:
         lines.append(f"Not run (time budget): {', '.join(map(str, result['skipped_users']))} users.")
@@ -269,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             skipped.append(n)
             continue
         prefix = args.results / f"u{n}"
-        done = run_locust(n, args.step_seconds, args.host, prefix)
+        done = run_locust(n, args.step_seconds, args.host, prefix, args.think_max_seconds, args.mix)
         time.sleep(args.settle_seconds)
         after = scrape(args.metrics_url)
         stats = read_stats(prefix.with_name(f"{prefix.name}_stats.csv"))
@@ -286,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         "host": args.host,
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "step_seconds": args.step_seconds,
+        "think_max_seconds": args.think_max_seconds,
+        "mix": args.mix,
         "knee_factor": KNEE_FACTOR,
         "steps": steps,
         "skipped_users": skipped,

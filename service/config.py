@@ -31,6 +31,9 @@ class ModelServingConfig(BaseModel):
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     torch_threads: int | None = None  # CPU threads for torch in each replica
+    # A streamed response sends its first token at once, then at most one piece per interval
+    # (tokens made meanwhile travel together; Ray Serve LLM's default is 50 ms). 0: every token alone.
+    stream_interval_ms: float = Field(50.0, ge=0)
 
     @property
     def max_ongoing_requests(self) -> int:

@@ -11,13 +11,13 @@ from ray import serve
 
 from model.sampling import SamplingParams
 from service.config import ModelServingConfig
-from service.engine.async_engine import AsyncEngine
+from service.engine.async_engine import AsyncEngine, paced
 from service.engine.engine import Engine, EngineConfig
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from service.engine.request import GenerationParams, Request
 from service.metrics import ServingMetrics
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
 
 HEARTBEAT_TIMEOUT_S = 30.0
 
@@ -86,8 +86,9 @@ class ModelDeployment:
         )
 
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """payload: {"text", "max_tokens"?, "temperature"?, "top_k"?, "top_p"?, "seed"?, "stop"?,
-        "beam_size"?, "n_best"?, "length_penalty"?}."""
+        """payload: {"text", "stream"?, "max_tokens"?, "temperature"?, "top_k"?, "top_p"?, "seed"?,
+        "stop"?, "beam_size"?, "n_best"?, "length_penalty"?}. Yields the first delta at once, then
+        (stream) at most one per `stream_interval_ms`, or (not stream) one with the rest."""
         try:
             prompt_ids = self.runner.encode_prompt(payload["text"])
             params = self._params(payload, len(prompt_ids))
@@ -104,7 +105,8 @@ class ModelDeployment:
             self.metrics.record_failure("internal")
             yield error_item("unavailable", str(error))
             return
-        async for delta in stream:
+        interval_s = self.config.stream_interval_ms / 1000 if payload.get("stream") else None
+        async for delta in paced(stream, interval_s):
             yield {
                 "text": delta.text,
                 "token_ids": delta.token_ids,

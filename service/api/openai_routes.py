@@ -66,6 +66,7 @@ def completion_payload(body: CompletionRequest, config: ServiceConfig) -> dict[s
         "top_k": max(body.top_k, 0),
         "seed": body.seed,
         "stop": body.stop,
+        "stream": body.stream,
     }
 
 

@@ -85,7 +85,7 @@ async def translate(body: TranslateRequest, request: Request) -> Any:
     if body.stream:
         if len(texts) != 1 or beam_size != 1:
             raise APIError(400, "stream needs one text and beam_size 1", "stream")
-        stream = await open_stream(backends.translator, {**options, "text": texts[0]}, config.retry_after_seconds)
+        stream = await open_stream(backends.translator, {**options, "text": texts[0], "stream": True}, config.retry_after_seconds)
         return StreamingResponse(stream_translation(stream), media_type="text/event-stream")
     results = await translate_all(backends, config, texts, options)
     prompt_tokens = sum(r["prompt_tokens"] for r in results)

@@ -7,7 +7,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from service.engine.engine import Engine, StepError
@@ -60,7 +61,7 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    async def submit(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None) -> AsyncIterator[Delta]:
+    async def submit(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None) -> AsyncGenerator[Delta, None]:
         """Validates and queues at once (raising InvalidRequestError or QueueFullError before any
         model work), then returns the request's delta stream. Leaving the stream early (a client
         disconnect cancels the reader) aborts the request at the next step."""
@@ -77,11 +78,15 @@ class AsyncEngine:
         self._wakeup.set()
         return self._stream(request.request_id, deltas)
 
-    async def _stream(self, request_id: str, deltas: "asyncio.Queue[Delta]") -> AsyncIterator[Delta]:
+    async def _stream(self, request_id: str, deltas: "asyncio.Queue[Delta]") -> AsyncGenerator[Delta, None]:
+        """Yields the request's deltas; a reader that has fallen behind gets the deltas queued
+        meanwhile merged into one, so a loaded server sends fewer, larger pieces (as vLLM does)."""
         finished = False
         try:
             while not finished:
                 delta = await deltas.get()
+                while not deltas.empty():
+                    delta = delta.followed_by(deltas.get_nowait())
                 finished = delta.finish_reason is not None
                 yield delta
         finally:
@@ -112,6 +117,8 @@ class AsyncEngine:
             self._streams[message.request.request_id] = (message.deltas, message.loop)
 
     def _publish(self, deltas: list[Delta]) -> None:
+        """Hands a step's deltas to their readers: one wake-up per event loop, not one per delta."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delta], Delta]]] = {}
         for delta in deltas:
             target = self._streams.get(delta.request_id)
             if target is None:
@@ -119,11 +126,14 @@ class AsyncEngine:
             stream, loop = target
             if delta.finish_reason is not None:
                 del self._streams[delta.request_id]
+            by_loop.setdefault(loop, []).append((stream, delta))
+        for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(stream.put_nowait, delta)
+                loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # the caller's event loop has closed: nobody is reading
-                self._streams.pop(delta.request_id, None)
-                self.engine.abort(delta.request_id)
+                for _, delta in items:
+                    self._streams.pop(delta.request_id, None)
+                    self.engine.abort(delta.request_id)
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -141,3 +151,25 @@ class AsyncEngine:
                 log.exception("engine step raised outside the model; continuing")
                 continue
             self._publish(deltas)
+
+
+def _deliver(items: list[tuple["asyncio.Queue[Delta]", Delta]]) -> None:
+    for stream, delta in items:
+        stream.put_nowait(delta)
+
+
+async def paced(deltas: AsyncGenerator[Delta, None], interval_s: float | None) -> AsyncIterator[Delta]:
+    """The first delta at once (it tells the caller the request was admitted), then the rest merged:
+    at most one delta per interval_s (0: each as it comes), or with interval_s None one delta that
+    holds everything to the end. Fewer, larger pieces cost less to send through Ray and HTTP."""
+    async with aclosing(deltas):
+        pending: Delta | None = None
+        first = True
+        async for delta in deltas:
+            pending = delta if pending is None else pending.followed_by(delta)
+            if interval_s is None and not first and pending.finish_reason is None:
+                continue
+            yield pending
+            pending, first = None, False
+            if interval_s and delta.finish_reason is None:
+                await asyncio.sleep(interval_s)  # what arrives meanwhile is merged by _stream

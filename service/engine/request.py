@@ -67,3 +67,17 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far, including this delta
     error: str | None = None
+
+    def followed_by(self, later: "Delta") -> "Delta":
+        """This delta and the next one of the same stream, as one."""
+        assert later.request_id == self.request_id and self.finish_reason is None, "merging across streams or past the end"
+        return Delta(
+            self.request_id,
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            later.finish_reason,
+            later.alternatives,
+            later.prompt_tokens or self.prompt_tokens,
+            later.completion_tokens,
+            later.error,
+        )

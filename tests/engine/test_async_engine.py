@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from service.engine.async_engine import AsyncEngine
+from service.engine.async_engine import AsyncEngine, paced
 from service.engine.engine import Engine, EngineConfig
 from service.engine.errors import QueueFullError
 from service.engine.request import Delta, GenerationParams
@@ -34,6 +34,54 @@ def test_concurrent_streams_complete() -> None:
         assert deltas[-1].finish_reason == "stop"
         assert sum(len(d.token_ids) for d in deltas) == 3 + i
     assert engine.engine.counters.max_batch_size == 4  # all four slots busy at once
+
+
+def test_a_reader_that_falls_behind_gets_the_queued_deltas_merged() -> None:
+    engine = make()
+
+    async def main() -> tuple[list[Delta], list[Delta]]:
+        prompt, params = [10, 20], GenerationParams(max_tokens=50)  # FakeRunner: tokens 11..30, then EOS
+        eager = await collect(await engine.submit(prompt, params))
+        lagging = await engine.submit(prompt, params)
+        while engine.engine.has_work or engine.num_waiting():  # the whole request runs before the first read
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        return eager, await collect(lagging)
+
+    try:
+        eager, lagging = asyncio.run(main())
+    finally:
+        engine.stop()
+    assert len(eager) > 1 and len(lagging) == 1
+    merged = lagging[0]
+    assert merged.token_ids == [t for d in eager for t in d.token_ids] and merged.text == "".join(d.text for d in eager)
+    assert (merged.finish_reason, merged.prompt_tokens, merged.completion_tokens) == (
+        eager[-1].finish_reason,
+        eager[-1].prompt_tokens,
+        eager[-1].completion_tokens,
+    )
+
+
+def test_paced_streams_send_the_first_token_at_once_then_merged_pieces() -> None:
+    engine = make(runner=FakeRunner(step_seconds=0.005))
+    params = GenerationParams(max_tokens=100)
+
+    async def main() -> dict[float | None, list[Delta]]:
+        return {
+            interval: await collect(paced(await engine.submit([10, 30], params), interval))  # tokens 11..40, then EOS
+            for interval in (None, 0.0, 0.1)
+        }
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.stop()
+    for interval, deltas in results.items():
+        assert [t for d in deltas for t in d.token_ids] == list(range(11, 41)), interval
+        assert len(deltas[0].token_ids) == 1 and deltas[-1].finish_reason == "stop"
+        assert deltas[-1].completion_tokens == 30
+    assert len(results[None]) == 2  # not streamed: the first token (admission), then the rest
+    assert any(len(d.token_ids) > 1 for d in results[0.1][1:])  # 100 ms apart: several 5 ms steps per piece
 
 
 def test_leaving_a_stream_early_aborts_and_frees_the_slot() -> None:
