@@ -142,8 +142,8 @@ def _position(r: Request) -> int:
 def decode_rows(slots: list[int]) -> list[int]:
     """Cache rows a decode step runs: the consecutive span from the lowest to the highest slot, idle
     rows included, so that every layer reads the cache through a view instead of gathering a
-    copy of each row (the copy grows with batch x length). A span more than twice the batch costs
-    more in idle rows than the gather saves; then just the slots, ascending."""
+    copy of each row (the copy grows with batch x length). Past twice the batch, the idle rows'
+    compute is taken to outweigh the copies saved (a heuristic); then just the slots, ascending."""
     first, last = min(slots), max(slots)
     if last - first + 1 <= 2 * len(slots):
         return list(range(first, last + 1))
