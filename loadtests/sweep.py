@@ -4,9 +4,10 @@ throughput, latency percentiles and the generator's mean engine batch size.
     .venv/bin/python -m loadtests.sweep --host http://127.0.0.1:8000 --metrics-url http://127.0.0.1:8080/metrics
 
 Each step is one headless Locust run (a subprocess, `--step-seconds` long) of loadtests/locustfile.py.
-`--mix G:T` weighs the streaming generator user against the translation user (default 3:1: a
-generation service with translation beside it), and by default users do not pause between requests,
-so each user is one request in flight and the users of a step are its concurrency. Per step:
+Every step runs `--translation-users` translation users (default 1: a constant background of
+translation traffic) and streaming generator users for the rest, so the steps vary the streaming
+load alone. By default users do not pause between requests: each user is one request in flight,
+and the generator users of a step are its concurrent streams. Per step:
 
 - requests/s (HTTP requests of all routes, 429/503 excluded) and rejected/s (429/503), over the step's
   nominal length; translation requests/s alone for the translation curve;
@@ -64,9 +65,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--host", default="http://127.0.0.1:8000")
     parser.add_argument("--metrics-url", default="http://127.0.0.1:8080/metrics")
-    parser.add_argument("--users", default="4,8,12,16,24,32,48", help="comma-separated user counts, one step each")
+    parser.add_argument("--users", default="2,3,5,7,9,13,17,25,33", help="comma-separated user counts, one step each")
     parser.add_argument("--step-seconds", type=int, default=60)
-    parser.add_argument("--mix", default="3:1", help="weights of the streaming generator and the translation user, G:T")
+    parser.add_argument("--translation-users", type=int, default=1, help="translation users in every step; the rest stream")
     parser.add_argument(
         "--think-max-seconds", type=float, default=0.0, help="users' pause between requests; 0: one request in flight per user"
     )
@@ -112,14 +113,12 @@ def percentiles(row: dict[str, str] | None) -> dict[str, float | None]:
     return {"p50": number(row["50%"]), "p95": number(row["95%"]), "p99": number(row["99%"])}
 
 
-def run_locust(users: int, seconds: int, host: str, prefix: Path, think_max_seconds: float, mix: str) -> subprocess.CompletedProcess[str]:
+def run_locust(
+    users: int, seconds: int, host: str, prefix: Path, think_max_seconds: float, translation_users: int
+) -> subprocess.CompletedProcess[str]:
     """One headless run; thresholds are disabled, since an overloaded step is data, not an error."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    generator_weight, translator_weight = (int(w) for w in mix.split(":"))
-    weights = [
-        {"user_class_name": "StreamingGeneratorUser", "weight": generator_weight},
-        {"user_class_name": "TranslationUser", "weight": translator_weight},
-    ]
+    weights = [{"user_class_name": "TranslationUser", "fixed_count": translation_users}]
     cmd = [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
         "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--host", host, "--csv", str(prefix),
@@ -183,9 +182,10 @@ def cell(value: float | None, digits: int = 0) -> str:
 def markdown(result: dict[str, Any]) -> str:
     """The sweep as a markdown table plus the knee sentence."""
     lines = [
-        f"Sweep of {result['host']} on {result['date']}, {result['step_seconds']} s per step, users weighted "
-        f"{result.get('mix', '1:1')} (streaming generator : translation), pausing up to {result.get('think_max_seconds', 1.0):g} s "
-        "between requests. Latencies in ms (ITL: one sample per gap between streamed text frames; translate: one sentence, beam 4).",
+        f"Sweep of {result['host']} on {result['date']}, {result['step_seconds']} s per step; each step: "
+        f"{result['translation_users']} translation user(s), the other users streaming, pausing up to "
+        f"{result['think_max_seconds']:g} s between requests. Latencies in ms (ITL: one sample per gap between streamed "
+        "text frames; translate: one sentence, beam 4).",
         "",
         "| users | req/s | rejected/s | failures | gen tok/s (client) | gen tok/s (server) | TTFT p50 | TTFT p95 | TTFT p99 "
         "| ITL p50 | ITL p95 | ITL p99 | translate p50 | translate p95 | translate p99 | mean gen batch (metric) | gen tokens/step |",
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
             skipped.append(n)
             continue
         prefix = args.results / f"u{n}"
-        done = run_locust(n, args.step_seconds, args.host, prefix, args.think_max_seconds, args.mix)
+        done = run_locust(n, args.step_seconds, args.host, prefix, args.think_max_seconds, args.translation_users)
         time.sleep(args.settle_seconds)
         after = scrape(args.metrics_url)
         stats = read_stats(prefix.with_name(f"{prefix.name}_stats.csv"))
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "step_seconds": args.step_seconds,
         "think_max_seconds": args.think_max_seconds,
-        "mix": args.mix,
+        "translation_users": args.translation_users,
         "knee_factor": KNEE_FACTOR,
         "steps": steps,
         "skipped_users": skipped,
