@@ -98,8 +98,8 @@ def generator_engine(n_slots: int, policy: BatchingPolicy = "continuous") -> Eng
 
 
 def batching_speedup(concurrency: int, tokens: int) -> dict[str, float]:
-    one = replay(generator_engine(1), [Arrival(0.0, r) for r in generator_requests(generator_engine(1), 1, [tokens], "a")])
-    many_engine = generator_engine(concurrency)
+    one_engine, many_engine = generator_engine(1), generator_engine(concurrency)
+    one = replay(one_engine, [Arrival(0.0, r) for r in generator_requests(one_engine, 1, [tokens], "a")])
     many = replay(many_engine, [Arrival(0.0, r) for r in generator_requests(many_engine, concurrency, [tokens] * concurrency, "b")])
     return {
         "tokens_per_s_1": one["tokens_per_s"],
@@ -133,13 +133,9 @@ def continuous_vs_static(n_requests: int, n_slots: int, capacity_tokens_per_s: f
 
 def translator_throughput(sentences: list[str], sequential_sample: int) -> dict[str, float]:
     engine = Engine.from_checkpoint(DEFAULT_TRANSLATOR, EngineConfig(n_slots=64, max_waiting=10_000), "cpu")
+    sources = [engine.runner.encode_prompt(s) for s in sentences]
     requests = [
-        Request(
-            f"t{i}",
-            engine.runner.encode_prompt(s),
-            GenerationParams(max_tokens=engine.runner.default_max_tokens(len(engine.runner.encode_prompt(s)))),
-        )
-        for i, s in enumerate(sentences)
+        Request(f"t{i}", ids, GenerationParams(max_tokens=engine.runner.default_max_tokens(len(ids)))) for i, ids in enumerate(sources)
     ]
     started = time.perf_counter()
     replay(engine, [Arrival(0.0, r) for r in requests])

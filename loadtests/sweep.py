@@ -41,7 +41,6 @@ from prometheus_client.parser import text_string_to_metric_families
 GENERATOR = "transformer-shakespeare"
 LOCUSTFILE = Path(__file__).parent / "locustfile.py"
 METRICS = ("ray_serving_batch_size_sum", "ray_serving_batch_size_count", "ray_serving_generation_tokens_total")
-ALIASES = {"ray_serving_generation_tokens": "ray_serving_generation_tokens_total"}  # should a counter come without `_total`
 TTFT, ITL, STREAM = ("SSE", "ttft /v1/completions"), ("SSE", "itl /v1/completions"), ("SSE", "stream /v1/completions")
 TRANSLATE = ("POST", "/v1/translate")
 ROUTE_ROWS = {
@@ -86,9 +85,8 @@ def scrape(url: str) -> dict[str, float]:
     totals = dict.fromkeys(METRICS, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = ALIASES.get(sample.name, sample.name)
-            if name in totals and sample.labels.get("model") == GENERATOR:
-                totals[name] += sample.value
+            if sample.name in totals and sample.labels.get("model") == GENERATOR:
+                totals[sample.name] += sample.value
     return totals
 
 
@@ -171,7 +169,7 @@ def find_knee(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "knee_ttft_p99_ms": knee["ttft_ms"]["p99"] if knee else None,
         "below_knee_users": below[-1]["users"],
         "below_knee_batch": below[-1]["mean_batch_size_generator"],
-        "below_knee_tokens_per_step": below[-1].get("tokens_per_engine_step_generator"),
+        "below_knee_tokens_per_step": below[-1]["tokens_per_engine_step_generator"],
     }
 
 
@@ -197,7 +195,7 @@ def markdown(result: dict[str, Any]) -> str:
             str(s["users"]), f"{s['requests_per_s']:.2f}", f"{s['rejected_per_s']:.2f}", str(s["failures"]),
             f"{s['tokens_per_s_client']:.1f}", f"{s['tokens_per_s_server']:.1f}",
             *(cell(q[k]) for q in (t, i, tr) for k in ("p50", "p95", "p99")), cell(s["mean_batch_size_generator"], 2),
-            cell(s.get("tokens_per_engine_step_generator"), 2),
+            cell(s["tokens_per_engine_step_generator"], 2),
         ]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     knee = result["knee"]
@@ -213,7 +211,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"Mean generator batch size at the highest load below that point ({knee['below_knee_users']} users): "
             f"{cell(knee['below_knee_batch'], 2)} by the metric, "
-            f"{cell(knee.get('below_knee_tokens_per_step'), 2)} generated tokens per engine step."
+            f"{cell(knee['below_knee_tokens_per_step'], 2)} generated tokens per engine step."
         )
     lines.append(
         "\n`mean gen batch (metric)` = delta(ray_serving_batch_size_sum) / delta(ray_serving_batch_size_count) of the generator. "
@@ -263,9 +261,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.from_json is not None:
         result = json.loads(args.from_json.read_text())
-        for step in result["steps"]:  # records written before tokens per step was kept
-            if step.get("tokens_per_engine_step_generator") is None and step["engine_steps_generator"]:
-                step["tokens_per_engine_step_generator"] = step["tokens_per_s_server"] * step["seconds"] / step["engine_steps_generator"]
         result["knee"] = find_knee(result["steps"])
         write(result, args.out)
         return

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
-from service.config import RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
+from service.config import RAY_ENVIRONMENT, ServiceConfig
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -27,22 +27,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--translator-replicas", type=int, default=1)
     parser.add_argument("--generator-replicas", type=int, default=1)
-    parser.add_argument("--slots", type=int, default=32, help="concurrent sequences per replica")
+    parser.add_argument("--slots", type=int, default=None, help="concurrent sequences per replica (default: 64 translator, 32 generator)")
     parser.add_argument("--torch-threads", type=int, default=None, help="CPU threads per replica")
     return parser.parse_args(argv)
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
+    """ServiceConfig's defaults, with what the command line sets."""
     import torch
 
-    gpus = 1.0 if args.device != "cpu" and torch.cuda.is_available() else 0.0
-    common = {"device": args.device, "n_slots": args.slots, "num_gpus": gpus, "num_cpus": 0.5, "torch_threads": args.torch_threads}
+    # Both models share this machine's GPU, if it has one.
+    gpus = 0.5 if args.device != "cpu" and torch.cuda.is_available() else 0.0
+    defaults = ServiceConfig()
+    common = {"device": args.device, "num_gpus": gpus, "num_cpus": 0.5, "torch_threads": args.torch_threads}
+    if args.slots is not None:
+        common["n_slots"] = args.slots
     return ServiceConfig(
-        translator=ModelServingConfig(
-            name="transformer-en-de", checkpoint=args.translator_checkpoint, num_replicas=args.translator_replicas, **common
+        translator=defaults.translator.model_copy(
+            update={"checkpoint": args.translator_checkpoint, "num_replicas": args.translator_replicas, **common}
         ),
-        generator=ModelServingConfig(
-            name="transformer-shakespeare", checkpoint=args.generator_checkpoint, num_replicas=args.generator_replicas, **common
+        generator=defaults.generator.model_copy(
+            update={"checkpoint": args.generator_checkpoint, "num_replicas": args.generator_replicas, **common}
         ),
     )
 

@@ -25,8 +25,7 @@ READY_TIMEOUT_S = 2.0
 class RayBackend:
     """A model deployment reached through its DeploymentHandle, streaming."""
 
-    def __init__(self, name: str, handle: DeploymentHandle[Any]) -> None:
-        self.name = name
+    def __init__(self, handle: DeploymentHandle[Any]) -> None:
         self.handle = handle
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
@@ -47,7 +46,7 @@ class Ingress:
     """Validates and routes HTTP requests; holds only handles to the model deployments."""
 
     def __init__(self, config: ServiceConfig, translator: DeploymentHandle[Any], generator: DeploymentHandle[Any]) -> None:
-        backends = Backends(RayBackend(config.translator.name, translator), RayBackend(config.generator.name, generator))
+        backends = Backends(RayBackend(translator), RayBackend(generator))
         self.failures = request_failure_counter()
         self.config = config
         self.api = create_api(config, backends, self.count_failure)

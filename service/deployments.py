@@ -42,7 +42,12 @@ class ModelDeployment:
             torch.set_num_threads(config.torch_threads)
         self.config = config
         device, dtype = resolve_device(config)
-        engine_config = EngineConfig(n_slots=config.n_slots, max_waiting=config.max_waiting, max_prefill_tokens=config.max_prefill_tokens)
+        engine_config = EngineConfig(
+            n_slots=config.n_slots,
+            max_waiting=config.max_waiting,
+            max_prefill_tokens=config.max_prefill_tokens,
+            max_tokens_cap=config.max_tokens_cap,
+        )
         engine = Engine.from_checkpoint(config.checkpoint, engine_config, device, dtype)
         self._warm_up(engine)
         self.metrics = ServingMetrics(config.name)
@@ -62,12 +67,7 @@ class ModelDeployment:
             engine.step()
 
     def _params(self, payload: dict[str, Any], prompt_length: int) -> GenerationParams:
-        limit = min(self.config.max_tokens_cap, self.runner.max_new_tokens(prompt_length))
-        max_tokens = payload.get("max_tokens")
-        if max_tokens is not None and max_tokens > limit:
-            raise InvalidRequestError(
-                f"max_tokens is {max_tokens}, but this input ({prompt_length} tokens) allows at most {limit}", "max_tokens"
-            )
+        max_tokens = payload.get("max_tokens")  # checked against the limit by the engine, after the prompt
         sampling = SamplingParams(
             temperature=float(payload.get("temperature", 0.0)),
             top_k=int(payload.get("top_k", 0)),
@@ -77,7 +77,10 @@ class ModelDeployment:
         return GenerationParams(
             max_tokens=max_tokens
             if max_tokens is not None
-            else min(limit, payload.get("default_max_tokens") or self.runner.default_max_tokens(prompt_length)),
+            else min(
+                self.engine.engine.max_tokens_limit(prompt_length),
+                payload.get("default_max_tokens") or self.runner.default_max_tokens(prompt_length),
+            ),
             sampling=sampling,
             stop=tuple(payload.get("stop") or ()),
             beam_size=int(payload.get("beam_size", 1)),
@@ -109,7 +112,6 @@ class ModelDeployment:
         async for delta in paced(stream, interval_s):
             yield {
                 "text": delta.text,
-                "token_ids": delta.token_ids,
                 "finish_reason": delta.finish_reason,
                 "alternatives": delta.alternatives,
                 "prompt_tokens": delta.prompt_tokens,

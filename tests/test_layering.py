@@ -6,30 +6,44 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def imported_modules(package: str) -> dict[str, set[str]]:
+def imported_modules(package: str, root: Path = ROOT) -> dict[str, set[str]]:
+    """Every module each file imports, by full dotted name (relative imports resolved)."""
     found: dict[str, set[str]] = {}
-    for path in (ROOT / package).rglob("*.py"):
+    for path in (root / package).rglob("*.py"):
         names: set[str] = set()
+        own_package = path.relative_to(root).parent.parts
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                names |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module.split(".")[0] if not node.module.startswith("service.") else node.module)
-        found[str(path.relative_to(ROOT))] = names
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = own_package[: len(own_package) - node.level + 1] if node.level else ()
+                names.add(".".join([*base, *([node.module] if node.module else [])]))
+        found[str(path.relative_to(root))] = names
     return found
+
+
+def imports_any(names: set[str], packages: set[str]) -> bool:
+    """Whether any of names is one of packages or inside one."""
+    return any(n == p or n.startswith(p + ".") for n in names for p in packages)
 
 
 def test_model_imports_neither_service_nor_serving_frameworks() -> None:
     for path, names in imported_modules("model").items():
-        assert not names & {"service", "ray", "fastapi", "pydantic"}, path
+        assert not imports_any(names, {"service", "ray", "fastapi", "pydantic"}), path
 
 
-def test_engine_imports_no_ray_fastapi_or_pydantic() -> None:
+def test_engine_imports_no_ray_fastapi_pydantic_or_upper_layers() -> None:
     for path, names in imported_modules("service/engine").items():
-        assert not names & {"ray", "fastapi", "starlette", "pydantic"}, path
-        assert not any(n.startswith("service.") and not n.startswith("service.engine") for n in names), path
+        assert not imports_any(names, {"ray", "fastapi", "starlette", "pydantic"}), path
+        assert not any(imports_any({n}, {"service"}) and not imports_any({n}, {"service.engine"}) for n in names), path
 
 
 def test_http_layer_does_not_import_ray() -> None:
     for path, names in imported_modules("service/api").items():
-        assert "ray" not in names, path
+        assert not imports_any(names, {"ray"}), path
+
+
+def test_the_check_sees_nested_and_relative_imports(tmp_path: Path) -> None:
+    (tmp_path / "service" / "engine").mkdir(parents=True)
+    (tmp_path / "service" / "engine" / "a.py").write_text("import service.api.app\nfrom ..config import X\n")
+    assert imported_modules("service/engine", tmp_path)["service/engine/a.py"] == {"service.api.app", "service.config"}

@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 class EdgeMiddleware:
     """Refuses bodies over max_bytes with 413 (counting streamed bytes, not trusting Content-Length)
-    and tags every response with an X-Request-Id."""
+    and tags every response with an X-Request-Id: the request's own (Ray Serve's proxy sets one and
+    echoes it on the response itself), or a new one."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -28,11 +29,12 @@ class EdgeMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = uuid.uuid4().hex
+        headers = dict(scope["headers"])
+        echoed = b"x-request-id" in headers  # whoever set it puts it on the response
+        request_id = uuid.uuid4().hex.encode()
         too_large = False
         received = 0
         path = scope["path"]
-        headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             too_large = True
@@ -57,7 +59,8 @@ class EdgeMiddleware:
                 return  # the app's own answer to a cut body is replaced by the 413 below
             if message["type"] == "http.response.start":
                 started = True
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id.encode())]}
+                if not echoed:
+                    message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
             await send(message)
 
         if not too_large:
@@ -68,7 +71,8 @@ class EdgeMiddleware:
                     raise
         if too_large and not started:
             response = error_response(path, 413, f"request body over {self.max_bytes} bytes")
-            response.headers["x-request-id"] = request_id
+            if not echoed:
+                response.headers["x-request-id"] = request_id.decode()
             await response(scope, receive, send)
 
 
@@ -98,7 +102,7 @@ def create_api(config: ServiceConfig, backends: Backends, on_failure: FailureHoo
         return {"status": "ok"}
 
     @api.get("/readyz", tags=["health"], responses={503: {"description": "A model is not loaded and warmed yet"}})
-    async def readyz(request: Request) -> Any:
+    async def readyz() -> Any:
         """Both models loaded and warmed (their replicas answer)."""
         try:
             ready = await backends.translator.ready() and await backends.generator.ready()

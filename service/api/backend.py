@@ -8,8 +8,6 @@ from service.api.errors import APIError
 
 
 class ModelBackend(Protocol):
-    name: str
-
     def stream(self, payload: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         """The deployment's `generate` stream; closing it early cancels the request."""
 
@@ -30,7 +28,7 @@ async def open_stream(backend: ModelBackend, payload: dict[str, Any], retry_afte
     any response byte is sent. Returns the stream with that first item put back in front."""
     stream = backend.stream(payload)
     first = await anext(stream)
-    if "error" in first and first["error"] is not None and "kind" in first["error"]:
+    if isinstance(first.get("error"), dict):  # a refusal (error_item); an engine failure is a string
         await stream.aclose()
         e = first["error"]
         status = STATUS_OF_ERROR.get(e["kind"], 500)

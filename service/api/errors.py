@@ -19,7 +19,7 @@ ERROR_TYPES = {
 
 
 class APIError(Exception):
-    """counted: a model replica refused the request and has already counted the failure."""
+    """counted: a model replica has already counted this failure (a refusal, or an engine error)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None, counted: bool = False) -> None:
         super().__init__(message)

@@ -84,7 +84,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     text, last = "", None
     async for item in stream:
         if item.get("error"):
-            raise APIError(500, "internal error during generation")
+            raise APIError(500, "internal error during generation", counted=True)  # the replica counted it
         text += item["text"]
         last = item
     assert last is not None

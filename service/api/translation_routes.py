@@ -54,13 +54,19 @@ async def translate_all(backends: Backends, config: ServiceConfig, texts: list[s
         text = ""
         async for item in stream:
             if item.get("error"):
-                raise APIError(500, "internal error during translation")
+                raise APIError(500, "internal error during translation", counted=True)  # the replica counted it
             text += item["text"]
             if item["finish_reason"] is not None:
                 return {**item, "text": text}
         raise APIError(500, "translation ended without a result")
 
-    return list(await asyncio.gather(*(final(s) for s in streams)))  # type: ignore[arg-type]
+    tasks = [asyncio.ensure_future(final(s)) for s in streams]  # type: ignore[arg-type]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:  # one sentence failed: the others stop using the model
+            task.cancel()
+        raise
 
 
 @router.post("/v1/translate", tags=["translation"], responses=ERROR_RESPONSES)

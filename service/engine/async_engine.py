@@ -106,10 +106,10 @@ class AsyncEngine:
             if isinstance(message, _Abort):
                 self.engine.abort(message.request_id)
                 continue
-            with self._pending_lock:
-                self._pending -= 1
             try:
-                self.engine.add_request(message.request)
+                with self._pending_lock:  # submit() sees it either pending or waiting, never neither
+                    self._pending -= 1
+                    self.engine.add_request(message.request)
             except Exception as error:  # validated at submit; a race with the queue bound is all that is left
                 delta = Delta(message.request.request_id, "", [], "error", error=str(error))
                 message.loop.call_soon_threadsafe(message.deltas.put_nowait, delta)

@@ -27,6 +27,7 @@ class EngineConfig:
     max_waiting: int = 256  # waiting queue bound: beyond it, requests are refused at once
     max_prefill_tokens: int = 4096  # prompt tokens admitted per step
     policy: BatchingPolicy = "continuous"
+    max_tokens_cap: int | None = None  # the most tokens one request may ask for (None: what the context allows)
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,6 @@ class FinishedRecord:
     reason: FinishReason
     queue_seconds: float | None  # arrival -> admission; None when it never left the queue
     e2e_seconds: float  # arrival -> finish
-    prompt_tokens: int
-    generated_tokens: int
 
 
 @dataclass
@@ -45,7 +44,6 @@ class StepReport:
     batch_size: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0  # prompt / encoder pass of the admitted requests
-    seconds: float = 0.0
     generated_tokens: int = 0
     first_token_latencies: list[float] = field(default_factory=list)  # arrival -> first token
     inter_token_latencies: list[float] = field(default_factory=list)  # previous token -> this one
@@ -80,13 +78,18 @@ class Engine:
         # Sentence tokenizers start a sentence with a word-boundary space; plays keep their layout.
         return cls(runner_for(model, tokenizer, config.n_slots), config, strip_leading_space=isinstance(model, Translator))
 
+    def max_tokens_limit(self, prompt_length: int) -> int:
+        """The most tokens a request with this prompt may ask for."""
+        limit = self.runner.max_new_tokens(prompt_length)
+        return limit if self.config.max_tokens_cap is None else min(limit, self.config.max_tokens_cap)
+
     def validate(self, prompt_ids: list[int], max_tokens: int, beam_size: int, n_best: int) -> None:
         """Raises InvalidRequestError for a request this engine could never serve."""
         if not prompt_ids:
             raise InvalidRequestError("the input is empty after tokenization", "prompt")
         if len(prompt_ids) > self.runner.max_prompt_len:
             raise InvalidRequestError(f"the input has {len(prompt_ids)} tokens; the limit is {self.runner.max_prompt_len}", "prompt")
-        limit = self.runner.max_new_tokens(len(prompt_ids))
+        limit = self.max_tokens_limit(len(prompt_ids))
         if max_tokens < 1 or max_tokens > limit:
             raise InvalidRequestError(f"max_tokens must be between 1 and {limit} for this input ({len(prompt_ids)} tokens)", "max_tokens")
         if beam_size < 1 or beam_size > self.config.n_slots:
@@ -114,12 +117,11 @@ class Engine:
         An exception from the model fails only the requests of this step; it is re-raised after
         they have been finished with reason "error", so the caller can report it and go on.
         """
-        started = time.perf_counter()
         self._report = StepReport()
         plan = self.scheduler.schedule()
         deltas = [self._finish(r, "abort") for r in plan.aborted]
         if plan.is_empty:
-            self._publish_report(plan, started)
+            self._publish_report(plan)
             return deltas
         try:
             results = self.runner.execute(plan)
@@ -128,22 +130,21 @@ class Engine:
             for r in plan.prefill + plan.decode:
                 self.scheduler.finish(r, "error")
                 deltas.append(self._finish(r, "error", error=f"internal error: {type(error).__name__}"))
-            self._publish_report(plan, started)
+            self._publish_report(plan)
             raise StepError(deltas) from error
         now = time.monotonic()
         for r in plan.prefill + plan.decode:
             delta = self._update(r, results[r.request_id], now)
             if delta is not None:
                 deltas.append(delta)
-        self._publish_report(plan, started)
+        self._publish_report(plan)
         return deltas
 
-    def _publish_report(self, plan: SchedulerOutput, started: float) -> None:
+    def _publish_report(self, plan: SchedulerOutput) -> None:
         report = self._report
         report.batch_size = plan.batch_size
         report.prefill_tokens = sum(len(r.prompt_ids) for r in plan.prefill)
         report.prefill_seconds = self.runner.last_prefill_seconds if plan.prefill else 0.0
-        report.seconds = time.perf_counter() - started
         report.running, report.waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         report.kv_cache_usage = self.scheduler.kv_usage
         if plan.batch_size:
@@ -204,7 +205,7 @@ class Engine:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         now = time.monotonic()
         queue_seconds = r.scheduled_time - r.arrival_time if r.scheduled_time is not None else None
-        self._report.finished.append(FinishedRecord(reason, queue_seconds, now - r.arrival_time, len(r.prompt_ids), len(r.output_ids)))
+        self._report.finished.append(FinishedRecord(reason, queue_seconds, now - r.arrival_time))
         return Delta(
             r.request_id,
             text,

@@ -27,7 +27,7 @@ class FixedShapeDecoder:
 
     @torch.no_grad()
     def _forward(self) -> Tensor:
-        views = list(self.cache.views(self.slots, self.positions, self.max_len))
+        views = self.cache.views(self.slots, self.positions, self.max_len)
         return self.model(self.ids, self.positions, views, self.max_len)[:, -1]  # (N, V)
 
     def _capture(self) -> None:

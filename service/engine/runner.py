@@ -125,12 +125,14 @@ class GeneratorRunner:
         by_slot = {r.slots[0]: r for r in requests}
         rows = decode_rows(list(by_slot))
         # Idle rows feed a pad token at the last position, which every sequence writes before it reads it.
-        ids = torch.tensor([[by_slot[s].output_ids[-1] if s in by_slot else PAD_ID] for s in rows], device=self.device)  # (R, 1)
-        positions = torch.tensor([[_position(by_slot[s]) if s in by_slot else self.max_len - 1] for s in rows], device=self.device)
+        tokens_in = [by_slot[s].output_ids[-1] if s in by_slot else PAD_ID for s in rows]
+        positions_in = [_position(by_slot[s]) if s in by_slot else self.max_len - 1 for s in rows]
+        ids = torch.tensor(tokens_in, device=self.device)[:, None]  # (R, 1)
+        positions = torch.tensor(positions_in, device=self.device)[:, None]  # (R, 1)
         length = max(_position(r) for r in requests) + 1
         logits = self.model(ids, positions, self.cache.views(rows, positions, length), length)[:, -1]  # (R, V)
-        own_rows = torch.tensor([rows.index(r.slots[0]) for r in requests], device=self.device)
-        tokens = _sample(logits[own_rows], requests)
+        row_of = {s: i for i, s in enumerate(rows)}
+        tokens = _sample(logits[torch.tensor([row_of[r.slots[0]] for r in requests], device=self.device)], requests)
         return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
 
 

@@ -1,24 +1,22 @@
 """The fixed-shape decode step (what the GPU captures as a CUDA graph) computes what the
 dynamic step computes."""
 
+import copy
+
 import pytest
 import torch
 
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
-from model.config import GeneratorConfig
 from model.generator import Generator
 from service.engine.engine import Engine, EngineConfig
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner
 from tests.engine.fakes import FakeTokenizer
-from tests.engine.test_exactness import PROMPTS, run
+from tests.engine.test_exactness import PROMPTS, context_sensitive_generator, run
 
 
 def tokens_with(fixed_shape: bool, device: str = "cpu", model: Generator | None = None) -> dict[str, list[int]]:
-    if model is None:
-        torch.manual_seed(1)
-        model = Generator(GeneratorConfig.preset("tiny")).eval()
-    model = model.to(device)
+    model = copy.deepcopy(model or context_sensitive_generator()).to(device)  # the shared one stays on the CPU
     engine = Engine(GeneratorRunner(model, FakeTokenizer(), n_slots=6, fixed_shape_decode=fixed_shape), EngineConfig(n_slots=6))  # type: ignore[arg-type]
     requests = [Request(f"r{i}", p, GenerationParams(max_tokens=8 + 3 * i)) for i, p in enumerate(PROMPTS)]
     return run(engine, {0: requests[:2], 3: requests[2:]})

@@ -161,3 +161,16 @@ def test_validation_rejects_what_cannot_be_served() -> None:
     with pytest.raises(InvalidRequestError):
         engine.add_request(Request("m", [5], GenerationParams(max_tokens=0, sampling=SamplingParams())))
     assert not engine.has_work
+
+
+def test_a_too_long_prompt_is_blamed_on_the_prompt_and_max_tokens_is_capped() -> None:
+    engine = Engine(FakeRunner(max_prompt_len=5), EngineConfig(n_slots=2, max_tokens_cap=20))
+    with pytest.raises(InvalidRequestError) as too_long:
+        engine.add_request(request("l", list(range(4, 10)), max_tokens=10_000))
+    assert too_long.value.param == "prompt"
+    assert engine.max_tokens_limit(3) == 20  # FakeRunner allows 1000; the cap wins
+    with pytest.raises(InvalidRequestError) as capped:
+        engine.add_request(request("c", [5, 6], max_tokens=21))
+    assert capped.value.param == "max_tokens"
+    engine.add_request(request("ok", [5, 6], max_tokens=20))
+    assert engine.has_work

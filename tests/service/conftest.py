@@ -21,7 +21,9 @@ TEST_CONFIG = ServiceConfig(
         name="transformer-shakespeare",
         checkpoint=DEFAULT_GENERATOR,
         n_slots=16,
-        max_waiting=16,
+        # Requests not yet taken in by the engine count as waiting: 32 streams at once may all
+        # reach one replica before its next step. (The 429 tests flood the translator.)
+        max_waiting=32,
         num_replicas=2,
         num_cpus=0.5,
         torch_threads=1,

@@ -1,7 +1,6 @@
 """Load-test smoke run: 30 s of the Locust traffic mix (loadtests/locustfile.py) against the session's
 real service, in a subprocess (Locust's gevent patching must stay out of pytest's process)."""
 
-import csv
 import importlib.util
 import subprocess
 import sys
@@ -9,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.sweep import find_knee
+from loadtests.sweep import find_knee, read_stats
 
 ROOT = Path(__file__).resolve().parents[2]
 TRANSLATION_ROWS = [("POST", "/v1/translate"), ("POST", "/v1/translate [list]"), ("POST", "/translate")]
@@ -25,16 +24,16 @@ def test_locust_smoke_run_passes_with_both_user_types(service_url: str, tmp_path
     ]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    with (tmp_path / "run_stats.csv").open(newline="") as f:
-        rows = [row for row in csv.DictReader(f) if row["Name"] != "Aggregated"]
-    assert sum(int(row["Failure Count"]) for row in rows) == 0, rows
-    count = {(row["Type"], row["Name"]): int(row["Request Count"]) for row in rows}
+    stats = read_stats(tmp_path / "run_stats.csv")
+    assert sum(int(row["Failure Count"]) for row in stats.values()) == 0, stats
+    count = {key: int(row["Request Count"]) for key, row in stats.items()}
     assert sum(count.get(key, 0) for key in TRANSLATION_ROWS) > 0, count
     assert all(count.get(key, 0) > 0 for key in STREAM_ROWS), count
 
 
 def step(users: int, ttft_p99: float, batch: float) -> dict[str, object]:
-    return {"users": users, "ttft_ms": {"p50": None, "p95": None, "p99": ttft_p99}, "mean_batch_size_generator": batch}
+    ttft = {"p50": None, "p95": None, "p99": ttft_p99}
+    return {"users": users, "ttft_ms": ttft, "mean_batch_size_generator": batch, "tokens_per_engine_step_generator": batch}
 
 
 def test_sweep_knee_is_the_first_step_over_three_times_the_low_load_p99() -> None:
