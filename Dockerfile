@@ -1,5 +1,6 @@
 # GPU image: CUDA build of the same torch version as the CPU pin in pyproject.toml.
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# Ubuntu 22.04 packages python3.11 (24.04 has only 3.12, and pyproject.toml wants <3.12).
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1
 RUN apt-get update && apt-get install -y --no-install-recommends python3.11 python3.11-venv && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
