@@ -48,8 +48,16 @@ class ServiceConfig(BaseModel):
     translator: ModelServingConfig = ModelServingConfig(name="transformer-en-de", checkpoint=DEFAULT_TRANSLATOR, n_slots=64)
     generator: ModelServingConfig = ModelServingConfig(name="transformer-shakespeare", checkpoint=DEFAULT_GENERATOR)
     default_beam_size: int = Field(4, ge=1, le=8)  # translation quality by default; greedy when asked or streaming
-    max_text_chars: int = Field(2000, ge=1)  # per sentence or prompt, checked before tokenizing
-    max_batch_texts: int = Field(32, ge=1)  # sentences per translation request
+    max_prompt_chars: int = Field(2000, ge=1)  # per completion prompt, checked before tokenizing
+    max_batch_texts: int = Field(32, ge=1)  # texts (list items) per translation request
+    max_translate_chars: int = Field(5000, ge=1)  # characters per translation request, all texts together
+    max_translate_sentences: int = Field(64, ge=1)  # sentences per translation request, all texts together
+    # A longer sentence is cut at a clause, else between words; 200 characters stay well inside
+    # the translator's 256 source tokens (English runs about 4 characters a token).
+    max_sentence_chars: int = Field(200, ge=20)
+    # Sentences of one request in the translator at once (the rest wait at the ingress): below
+    # what a replica's queue holds, so a long text is never refused on its own.
+    sentences_in_flight: int = Field(16, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
     ingress_max_queued_requests: int = 512
     retry_after_seconds: int = 1

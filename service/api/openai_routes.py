@@ -43,7 +43,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 
 def completion_payload(body: CompletionRequest, config: ServiceConfig) -> dict[str, Any]:
-    if body.model != config.generator.name:
+    if body.model is not None and body.model != config.generator.name:
         hint = " (translation is served at /v1/translate)" if body.model == config.translator.name else ""
         raise APIError(404, f"The model `{body.model}` does not exist{hint}.", "model")
     unsupported = body.unsupported_field()
@@ -55,8 +55,8 @@ def completion_payload(body: CompletionRequest, config: ServiceConfig) -> dict[s
     prompt = prompts[0]
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
-    if len(prompt) > config.max_text_chars:
-        raise APIError(400, f"prompt has {len(prompt)} characters; the limit is {config.max_text_chars}", "prompt")
+    if len(prompt) > config.max_prompt_chars:
+        raise APIError(400, f"prompt has {len(prompt)} characters; the limit is {config.max_prompt_chars}", "prompt")
     return {
         "text": prompt,
         "max_tokens": body.max_tokens,
@@ -77,7 +77,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     backends: Backends = request.app.state.backends
     payload = completion_payload(body, config)
     stream = await open_stream(backends.generator, payload, config.retry_after_seconds)
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": body.model}
+    model = config.generator.name
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(stream_completion(stream, base, include_usage), media_type="text/event-stream")

@@ -31,7 +31,7 @@ class CompletionRequest(StrictModel):
     """OpenAI `POST /v1/completions`. Fields that would change the output but are not supported
     are accepted only at their neutral value and rejected otherwise, naming the field."""
 
-    model: StrictStr
+    model: StrictStr | None = None  # omitted: the generator (as vLLM serves its one model)
     prompt: Text | list[Text]
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0)
@@ -87,8 +87,9 @@ class TranslateRequest(StrictModel):
     """`POST /v1/translate`."""
 
     text: Text | list[Text]
-    source_lang: Literal["en"] = "en"
+    source_lang: Literal["en", "auto"] = "en"  # auto: text detected as another language is a 400
     target_lang: Literal["de"] = "de"
+    format: Literal["text", "html"] = "text"
     model: StrictStr | None = None
     beam_size: StrictInt | None = Field(None, ge=1, le=8)
     alternatives: StrictInt = Field(0, ge=0, le=7)
@@ -98,13 +99,22 @@ class TranslateRequest(StrictModel):
 
 
 class LibreTranslateRequest(StrictModel):
-    """LibreTranslate `POST /translate` (JSON or form); unknown fields such as api_key are ignored."""
+    """LibreTranslate `POST /translate` (JSON or form); unknown fields are ignored, as LibreTranslate does."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     q: Text | list[Text]
     source: StrictStr = "auto"
     target: StrictStr = "de"
-    format: Literal["text"] = "text"
+    format: Literal["text", "html"] = "text"
     alternatives: int = Field(0, ge=0, le=7)
+    api_key: StrictStr | None = None
+
+
+class DetectRequest(StrictModel):
+    """LibreTranslate `POST /detect` (JSON or form)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    q: Text
     api_key: StrictStr | None = None

@@ -218,13 +218,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": GENERATOR, "prompt": "x", "logprobs": 3}, "logprobs"),
     ("/v1/completions", {"model": GENERATOR, "prompt": "x", "stop": ["a"] * 10}, "stop"),
     ("/v1/completions", {"model": GENERATOR, "prompt": ECHO, "surprise": 1}, "surprise"),
-    ("/v1/completions", {"prompt": "x"}, "model"),
+    ("/v1/completions", {"prompt": "x", "model": 5}, "model"),
     ("/v1/translate", {"text": ""}, "text"),
     ("/v1/translate", {"text": ["a"] * 33}, "text"),
     ("/v1/translate", {"text": "a", "target_lang": "fr"}, "target_lang"),
     ("/v1/translate", {"text": "a", "beam_size": 0}, "beam_size"),
     ("/v1/translate", {"text": "a", "stream": True, "beam_size": 4}, "stream"),
-    ("/v1/translate", {"text": "x" * 5000}, "text"),
+    ("/v1/translate", {"text": "x" * 5001}, "text"),
 ]
 
 
