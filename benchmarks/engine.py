@@ -21,9 +21,10 @@ from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpo
 from model.data import SHARED_DATA, read_lines
 from model.generator import Generator
 from model.reference_decoding import generate_greedy_uncached
-from service.engine.engine import Engine, EngineConfig
+from model.sampling import GREEDY
+from service.engine.config import BatchingPolicy, EngineConfig
+from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
-from service.engine.scheduler import BatchingPolicy
 
 PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "To be", "JULIET:\nO", "MENENIUS:\n", "The", "HAMLET:\n"]
 
@@ -31,12 +32,12 @@ PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "To be", "JULIET:
 def kv_cache_speedup(model: Generator, prompt: list[int], new_tokens: int) -> dict[str, float]:
     """Batch 1: the engine (KV cache) against recomputing the whole prefix every step."""
     engine = generator_engine(1)
-    request = Request("kv", prompt, GenerationParams(max_tokens=new_tokens))
+    request = Request("kv", prompt, GenerationParams(sampling=GREEDY, max_tokens=new_tokens))
     cached_tokens: list[int] = []
     started = time.perf_counter()
     engine.add_request(request)
     while engine.has_work:
-        for delta in engine.step():
+        for delta in engine.step().deltas:
             cached_tokens += delta.token_ids
     cached_s = time.perf_counter() - started
     started = time.perf_counter()
@@ -73,7 +74,7 @@ def replay(engine: Engine, arrivals: list[Arrival]) -> dict[str, float]:
         if not engine.has_work:
             time.sleep(max(0.0, pending[0].at - now))
             continue
-        for delta in engine.step():
+        for delta in engine.step().deltas:
             tokens += len(delta.token_ids)
             if delta.finish_reason is not None:
                 finished[delta.request_id] = time.perf_counter() - start
@@ -90,7 +91,7 @@ def replay(engine: Engine, arrivals: list[Arrival]) -> dict[str, float]:
 
 def generator_requests(engine: Engine, n: int, lengths: list[int], prefix: str) -> list[Request]:
     prompts = [engine.runner.encode_prompt(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
-    return [Request(f"{prefix}{i}", p, GenerationParams(max_tokens=lengths[i])) for i, p in enumerate(prompts)]
+    return [Request(f"{prefix}{i}", p, GenerationParams(sampling=GREEDY, max_tokens=lengths[i])) for i, p in enumerate(prompts)]
 
 
 def generator_engine(n_slots: int, policy: BatchingPolicy = "continuous") -> Engine:
@@ -135,7 +136,8 @@ def translator_throughput(sentences: list[str], sequential_sample: int) -> dict[
     engine = Engine.from_checkpoint(DEFAULT_TRANSLATOR, EngineConfig(n_slots=64, max_waiting=10_000), "cpu")
     sources = [engine.runner.encode_prompt(s) for s in sentences]
     requests = [
-        Request(f"t{i}", ids, GenerationParams(max_tokens=engine.runner.default_max_tokens(len(ids)))) for i, ids in enumerate(sources)
+        Request(f"t{i}", ids, GenerationParams(sampling=GREEDY, max_tokens=engine.runner.default_max_tokens(len(ids))))
+        for i, ids in enumerate(sources)
     ]
     started = time.perf_counter()
     replay(engine, [Arrival(0.0, r) for r in requests])
@@ -145,7 +147,10 @@ def translator_throughput(sentences: list[str], sequential_sample: int) -> dict[
     started = time.perf_counter()
     for i, s in enumerate(sample):
         ids = one.runner.encode_prompt(s)
-        replay(one, [Arrival(0.0, Request(f"s{i}", ids, GenerationParams(max_tokens=one.runner.default_max_tokens(len(ids)))))])
+        replay(
+            one,
+            [Arrival(0.0, Request(f"s{i}", ids, GenerationParams(sampling=GREEDY, max_tokens=one.runner.default_max_tokens(len(ids)))))],
+        )
     sequential = len(sample) / (time.perf_counter() - started)
     started = time.perf_counter()
     replay(engine, [Arrival(0.0, Request(f"u{i}", r.prompt_ids, r.params)) for i, r in enumerate(requests[:sequential_sample])])

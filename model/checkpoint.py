@@ -10,12 +10,10 @@ from torch import nn
 
 from model.config import GeneratorConfig, ModelConfig, TranslatorConfig
 from model.generator import Generator
+from model.paths import DEFAULT_GENERATOR as DEFAULT_GENERATOR
+from model.paths import DEFAULT_TRANSLATOR as DEFAULT_TRANSLATOR
 from model.tokenizer import Tokenizer
 from model.translator import Translator
-
-CHECKPOINTS = Path(__file__).parent / "checkpoints"
-DEFAULT_TRANSLATOR = CHECKPOINTS / "translator-en-de"
-DEFAULT_GENERATOR = CHECKPOINTS / "generator-shakespeare"
 
 Model = Translator | Generator
 

@@ -6,6 +6,7 @@ layer), so memory is bounded by configuration and the GPU path can capture the s
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,32 +42,24 @@ class CacheView:
         return self.keys[self.rows, :, : self.length], self.values[self.rows, :, : self.length]
 
 
-class KVCache:
-    """Self-attention keys/values for n_slots sequences of up to max_len tokens, every layer."""
+class LayerCaches:
+    """Keys and values for n_slots rows of `length` positions, every layer, preallocated:
+    (n_slots, H, length, D) each."""
 
     def __init__(
         self,
         n_layers: int,
         n_slots: int,
         n_heads: int,
-        max_len: int,
+        length: int,
         head_dim: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        shape = (n_slots, n_heads, max_len, head_dim)
+        shape = (n_slots, n_heads, length, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.n_slots, self.max_len = n_slots, max_len
-
-    def views(self, slots: Sequence[int] | Tensor, positions: Tensor, length: int) -> list[CacheView]:
-        """Per-layer views for a step writing `positions` (B, T) of rows `slots` (B,).
-
-        Consecutive ascending slots given as a list are read through a slice, without gathering.
-        """
-        assert length <= self.max_len, "keys beyond the cache"  # positions are checked by the caller (no device sync here)
-        index, rows = cache_rows(slots, self.keys[0].device)
-        return [CacheView(k, v, index, rows, positions, length) for k, v in zip(self.keys, self.values, strict=True)]
+        self.n_slots, self.length = n_slots, length
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
         """Row dst[i] becomes a copy of row src[i] (beam search reordering); sources are read first."""
@@ -78,29 +71,36 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
-class CrossAttentionCache:
-    """The translator's cross-attention keys/values per slot, computed once from the encoder output."""
+class KVCache(LayerCaches):
+    """Self-attention keys/values for n_slots sequences of up to max_len (= length) tokens."""
 
-    def __init__(
-        self,
-        n_layers: int,
-        n_slots: int,
-        n_heads: int,
-        max_src_len: int,
-        head_dim: int,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        shape = (n_slots, n_heads, max_src_len, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.src_valid = torch.zeros(n_slots, max_src_len, dtype=torch.bool, device=device)
-        self.max_src_len = max_src_len
+    @property
+    def max_len(self) -> int:
+        return self.length
+
+    def views(self, slots: Sequence[int] | Tensor, positions: Tensor, length: int) -> list[CacheView]:
+        """Per-layer views for a step writing `positions` (B, T) of rows `slots` (B,).
+
+        Consecutive ascending slots given as a list are read through a slice, without gathering.
+        """
+        assert length <= self.max_len, "keys beyond the cache"  # positions are checked by the caller (no device sync here)
+        index, rows = cache_rows(slots, self.keys[0].device)
+        return [CacheView(k, v, index, rows, positions, length) for k, v in zip(self.keys, self.values, strict=True)]
+
+
+class CrossAttentionCache(LayerCaches):
+    """The translator's cross-attention keys/values per slot for sources of up to `length`
+    tokens, computed once from the encoder output, and which source positions are real tokens.
+    Built with LayerCaches' arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.src_valid = torch.zeros(self.n_slots, self.length, dtype=torch.bool, device=self.keys[0].device)
 
     def write(self, slots: Tensor, memory_kv: list[tuple[Tensor, Tensor]], src_valid: Tensor) -> None:
         """memory_kv: per layer (B, H, S, D); src_valid: (B, S) True at real source tokens."""
         S = src_valid.shape[1]
-        assert self.max_src_len >= S, "source longer than the cross-attention cache"
+        assert self.length >= S, "source longer than the cross-attention cache"
         for (k, v), keys, values in zip(memory_kv, self.keys, self.values, strict=True):
             keys[slots, :, :S] = k.to(keys.dtype)
             values[slots, :, :S] = v.to(values.dtype)
@@ -114,10 +114,5 @@ class CrossAttentionCache:
         return kv, self.src_valid[rows, :length][:, None, None, :]
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
-        for cache in self.keys + self.values:
-            cache[dst] = cache[src]
+        super().copy_slots(src, dst)
         self.src_valid[dst] = self.src_valid[src]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)

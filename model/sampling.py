@@ -22,6 +22,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+GREEDY = SamplingParams(temperature=0.0)
+
+
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Sets logits outside the top-k / top-p nucleus to -inf. logits: (V,) already divided by temperature."""
     if 0 < top_k < logits.shape[-1]:

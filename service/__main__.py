@@ -11,10 +11,12 @@ import signal
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.config import RAY_ENVIRONMENT, ServiceConfig
+from service.engine.config import EngineConfig
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -40,14 +42,27 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     gpus = 0.5 if args.device != "cpu" and torch.cuda.is_available() else 0.0
     defaults = ServiceConfig()
     common = {"device": args.device, "num_gpus": gpus, "num_cpus": 0.5, "torch_threads": args.torch_threads}
-    if args.slots is not None:
-        common["n_slots"] = args.slots
+
+    def slots(engine: EngineConfig) -> EngineConfig:
+        return engine if args.slots is None else replace(engine, n_slots=args.slots)
+
+    translator, generator = defaults.translator, defaults.generator
     return ServiceConfig(
-        translator=defaults.translator.model_copy(
-            update={"checkpoint": args.translator_checkpoint, "num_replicas": args.translator_replicas, **common}
+        translator=translator.model_copy(
+            update={
+                "checkpoint": args.translator_checkpoint,
+                "num_replicas": args.translator_replicas,
+                "engine": slots(translator.engine),
+                **common,
+            }
         ),
-        generator=defaults.generator.model_copy(
-            update={"checkpoint": args.generator_checkpoint, "num_replicas": args.generator_replicas, **common}
+        generator=generator.model_copy(
+            update={
+                "checkpoint": args.generator_checkpoint,
+                "num_replicas": args.generator_replicas,
+                "engine": slots(generator.engine),
+                **common,
+            }
         ),
     )
 

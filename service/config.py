@@ -6,7 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from service.engine.config import EngineConfig
 
 # Ray Serve's proxy must start within 5 s by default; on a busy 2-core machine it may not, and is
 # then killed and restarted in a loop. These are set for Ray's processes before `ray.init`.
@@ -14,7 +15,8 @@ RAY_ENVIRONMENT = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PRO
 
 
 class ModelServingConfig(BaseModel):
-    """One model deployment: its checkpoint, engine limits and replicas."""
+    """One model deployment: its checkpoint, its engine's limits and defaults (per replica), and
+    its replicas."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -22,10 +24,7 @@ class ModelServingConfig(BaseModel):
     checkpoint: Path
     device: str = "auto"  # "auto": cuda when the replica has a GPU, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
-    n_slots: int = Field(32, ge=1)  # concurrent sequences per replica (KV-cache rows)
-    max_waiting: int = Field(64, ge=0)  # engine queue per replica; beyond it, 429 at once
-    max_prefill_tokens: int = Field(4096, ge=1)
-    max_tokens_cap: int = Field(256, ge=1)  # the most tokens one request may ask for
+    engine: EngineConfig = EngineConfig()
     num_replicas: int | str = 1  # or "auto" with autoscaling_config
     autoscaling_config: dict[str, Any] | None = None
     num_cpus: float = 1.0
@@ -39,14 +38,19 @@ class ModelServingConfig(BaseModel):
     def max_ongoing_requests(self) -> int:
         """Serve must pass enough requests for the engine's batch and queue to fill; the engine
         itself refuses beyond that, fast."""
-        return self.n_slots + self.max_waiting + 8
+        return self.engine.n_slots + self.engine.max_waiting + 8
 
 
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    translator: ModelServingConfig = ModelServingConfig(name="transformer-en-de", checkpoint=DEFAULT_TRANSLATOR, n_slots=64)
-    generator: ModelServingConfig = ModelServingConfig(name="transformer-shakespeare", checkpoint=DEFAULT_GENERATOR)
+    translator: ModelServingConfig = ModelServingConfig(
+        name="transformer-en-de", checkpoint=DEFAULT_TRANSLATOR, engine=EngineConfig(n_slots=64)
+    )
+    # OpenAI's completions default to 16 tokens when max_tokens is omitted.
+    generator: ModelServingConfig = ModelServingConfig(
+        name="transformer-shakespeare", checkpoint=DEFAULT_GENERATOR, engine=EngineConfig(default_max_tokens=16)
+    )
     default_beam_size: int = Field(4, ge=1, le=8)  # translation quality by default; greedy when asked or streaming
     max_prompt_chars: int = Field(2000, ge=1)  # per completion prompt, checked before tokenizing
     max_batch_texts: int = Field(32, ge=1)  # texts (list items) per translation request

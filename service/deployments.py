@@ -1,5 +1,6 @@
-"""The model deployment: one engine per replica on one device. Thin: it turns text into token ids,
-streams the engine's deltas as plain dicts and reports health; all policy lives in the engine."""
+"""The model deployment: one engine per replica on one device. Thin: it turns a GenerateRequest
+into token ids and engine parameters, streams the engine's deltas as protocol Chunks (or one
+Refusal) and reports health; limits and defaults are the engine's."""
 
 import logging
 import time
@@ -12,10 +13,11 @@ from ray import serve
 from model.sampling import SamplingParams
 from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
-from service.engine.engine import Engine, EngineConfig
+from service.engine.engine import Engine
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from service.engine.request import GenerationParams, Request
+from service.engine.request import Delta, GenerationParams, Request
 from service.metrics import ServingMetrics
+from service.protocol import Chunk, GenerateRequest, Refusal
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
 
@@ -28,27 +30,31 @@ def resolve_device(config: ModelServingConfig) -> tuple[str, torch.dtype]:
     return device, getattr(torch, dtype_name)
 
 
-def error_item(kind: str, message: str, param: str | None = None) -> dict[str, Any]:
-    """kind: invalid | overloaded | unavailable | internal (the HTTP layer maps each to a status)."""
-    return {"error": {"kind": kind, "message": message, "param": param}}
+def generation_params(request: GenerateRequest) -> GenerationParams:
+    sampling = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, seed=request.seed)
+    return GenerationParams(
+        max_tokens=request.max_tokens,
+        sampling=sampling,
+        stop=request.stop,
+        beam_size=request.beam_size,
+        n_best=request.n_best,
+        length_penalty=request.length_penalty,
+    )
+
+
+def chunk(delta: Delta) -> Chunk:
+    return Chunk(delta.text, delta.finish_reason, tuple(delta.alternatives or ()), delta.prompt_tokens, delta.completion_tokens)
 
 
 class ModelDeployment:
-    """A Serve replica holding one AsyncEngine. `generate` yields dicts: either one error item, or
-    deltas ending with one whose finish_reason is set."""
+    """A Serve replica holding one AsyncEngine; `generate` follows service/protocol.py."""
 
     def __init__(self, config: ModelServingConfig) -> None:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.config = config
         device, dtype = resolve_device(config)
-        engine_config = EngineConfig(
-            n_slots=config.n_slots,
-            max_waiting=config.max_waiting,
-            max_prefill_tokens=config.max_prefill_tokens,
-            max_tokens_cap=config.max_tokens_cap,
-        )
-        engine = Engine.from_checkpoint(config.checkpoint, engine_config, device, dtype)
+        engine = Engine.from_checkpoint(config.checkpoint, config.engine, device, dtype)
         self._warm_up(engine)
         self.metrics = ServingMetrics(config.name)
         engine.on_step = self.metrics.record_step
@@ -66,70 +72,37 @@ class ModelDeployment:
         while engine.has_work:
             engine.step()
 
-    def _params(self, payload: dict[str, Any], prompt_length: int) -> GenerationParams:
-        max_tokens = payload.get("max_tokens")  # checked against the limit by the engine, after the prompt
-        sampling = SamplingParams(
-            temperature=float(payload.get("temperature", 0.0)),
-            top_k=int(payload.get("top_k", 0)),
-            top_p=float(payload.get("top_p", 1.0)),
-            seed=payload.get("seed"),
-        )
-        return GenerationParams(
-            max_tokens=max_tokens
-            if max_tokens is not None
-            else min(
-                self.engine.engine.max_tokens_limit(prompt_length),
-                payload.get("default_max_tokens") or self.runner.default_max_tokens(prompt_length),
-            ),
-            sampling=sampling,
-            stop=tuple(payload.get("stop") or ()),
-            beam_size=int(payload.get("beam_size", 1)),
-            n_best=int(payload.get("n_best", 1)),
-            length_penalty=float(payload.get("length_penalty", 1.0)),
-        )
-
-    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """payload: {"text", "stream"?, "max_tokens"?, "temperature"?, "top_k"?, "top_p"?, "seed"?,
-        "stop"?, "beam_size"?, "n_best"?, "length_penalty"?}. Yields the first delta at once, then
-        (stream) at most one per `stream_interval_ms`, or (not stream) one with the rest."""
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | Refusal]:
         try:
-            prompt_ids = self.runner.encode_prompt(payload["text"])
-            params = self._params(payload, len(prompt_ids))
-            stream = await self.engine.submit(prompt_ids, params)
+            prompt_ids = self.runner.encode_prompt(request.text)
+            stream = await self.engine.submit(prompt_ids, generation_params(request))
         except InvalidRequestError as error:
             self.metrics.record_failure("validation")
-            yield error_item("invalid", str(error), error.param)
+            yield Refusal("invalid", str(error), error.param)
             return
         except QueueFullError as error:
             self.metrics.record_failure("overloaded")
-            yield error_item("overloaded", str(error))
+            yield Refusal("overloaded", str(error))
             return
         except EngineDeadError as error:
             self.metrics.record_failure("internal")
-            yield error_item("unavailable", str(error))
+            yield Refusal("unavailable", str(error))
             return
-        interval_s = self.config.stream_interval_ms / 1000 if payload.get("stream") else None
+        interval_s = self.config.stream_interval_ms / 1000 if request.stream else None
         async for delta in paced(stream, interval_s):
-            yield {
-                "text": delta.text,
-                "finish_reason": delta.finish_reason,
-                "alternatives": delta.alternatives,
-                "prompt_tokens": delta.prompt_tokens,
-                "completion_tokens": delta.completion_tokens,
-                "error": delta.error,
-            }
+            yield chunk(delta)
 
     async def ready(self) -> bool:
         return self.engine.alive
 
     async def stats(self) -> dict[str, Any]:
         """The engine's state, for tests and debugging."""
-        counters = self.engine.engine.counters
+        counters = self.engine.counters
         return {
             "replica": serve.get_replica_context().replica_id.unique_id,
             "running": self.engine.num_running(),
             "waiting": self.engine.num_waiting(),
-            "free_slots": self.engine.engine.scheduler.slots.num_free,
+            "free_slots": self.engine.num_free_slots(),
             "steps": counters.steps,
             "batch_size_sum": counters.batch_size_sum,
             "max_batch_size": counters.max_batch_size,

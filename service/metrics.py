@@ -5,11 +5,12 @@
 Names follow vLLM's (see ../shared/docs/API.md); labels never carry anything a user sends.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from service.engine.engine import StepReport
+if TYPE_CHECKING:  # the ingress records failures here and must not import the engine (torch)
+    from service.engine.engine import StepReport
 
 # Both CPU (tens of ms per token) and GPU (sub-ms) latencies land in distinct buckets.
 LATENCY_BUCKETS = [
@@ -84,7 +85,7 @@ class ServingMetrics:
         assert reason in FAILURE_REASONS, reason
         self.failure.inc(1, tags={"reason": reason})
 
-    def record_step(self, report: StepReport) -> None:
+    def record_step(self, report: "StepReport") -> None:
         """Called by the engine thread after every step."""
         for value in report.first_token_latencies:
             self.ttft.observe(value)

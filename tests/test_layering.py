@@ -1,6 +1,8 @@
 """Dependencies point one way: model/ <- service/engine/ <- the HTTP and Ray layers."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,3 +49,16 @@ def test_the_check_sees_nested_and_relative_imports(tmp_path: Path) -> None:
     (tmp_path / "service" / "engine").mkdir(parents=True)
     (tmp_path / "service" / "engine" / "a.py").write_text("import service.api.app\nfrom ..config import X\n")
     assert imported_modules("service/engine", tmp_path)["service/engine/a.py"] == {"service.api.app", "service.config"}
+
+
+def test_the_protocol_imports_no_framework_and_no_tensor_library() -> None:
+    names = imported_modules("service")["service/protocol.py"]
+    assert not imports_any(names, {"ray", "fastapi", "starlette", "pydantic", "torch", "numpy", "service", "model"}), names
+
+
+def test_the_ingress_process_loads_no_tensor_library() -> None:
+    """What Ray imports in the ingress replica (service.ingress, by the class's module) and the
+    HTTP app it serves leave torch unloaded: a process that only routes HTTP stays small."""
+    probe = "import sys, service.ingress, service.api.app; print(sorted(m for m in ('torch', 'service.engine.engine') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"

@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api import openai_routes, translation_routes
+from service.api import libretranslate_routes, openai_routes, translation_routes
 from service.api.backend import Backends
 from service.api.errors import FailureHook, error_response, install_error_handlers
 from service.config import ServiceConfig
@@ -91,6 +91,7 @@ def create_api(config: ServiceConfig, backends: Backends, on_failure: FailureHoo
     api.add_middleware(EdgeMiddleware, max_bytes=config.max_body_bytes)
     api.include_router(openai_routes.router)
     api.include_router(translation_routes.router)
+    api.include_router(libretranslate_routes.router)
 
     @api.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

@@ -1,14 +1,16 @@
-"""How the HTTP layer reaches a model: a stream of plain dicts from a model deployment."""
+"""How the HTTP layer reaches a model: a stream of protocol items (service/protocol.py) from a
+model deployment, turned into HTTP statuses here and nowhere else."""
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from service.api.errors import APIError
+from service.protocol import Chunk, GenerateRequest, Refusal, RefusalKind
 
 
 class ModelBackend(Protocol):
-    def stream(self, payload: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+    def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
         """The deployment's `generate` stream; closing it early cancels the request."""
 
     async def ready(self) -> bool: ...
@@ -20,26 +22,47 @@ class Backends:
     generator: ModelBackend
 
 
-STATUS_OF_ERROR = {"invalid": 400, "overloaded": 429, "unavailable": 503, "internal": 500}
+STATUS_OF_REFUSAL: dict[RefusalKind, int] = {"invalid": 400, "overloaded": 429, "unavailable": 503}
 
 
-async def open_stream(backend: ModelBackend, payload: dict[str, Any], retry_after: int) -> AsyncGenerator[dict[str, Any], None]:
+def refusal_error(refusal: Refusal, retry_after: int) -> APIError:
+    """The HTTP error of a refusal; 429 and 503 tell the client when to come back."""
+    status = STATUS_OF_REFUSAL[refusal.kind]
+    return APIError(status, refusal.message, refusal.param, retry_after if status in (429, 503) else None, counted=True)
+
+
+async def open_stream(backend: ModelBackend, request: GenerateRequest, retry_after: int) -> AsyncGenerator[Chunk, None]:
     """Starts a request and waits for its first item, so a refusal becomes an HTTP status before
-    any response byte is sent. Returns the stream with that first item put back in front."""
-    stream = backend.stream(payload)
+    any response byte is sent. Returns the stream of chunks with that first one put back in front."""
+    stream = backend.stream(request)
     first = await anext(stream)
-    if isinstance(first.get("error"), dict):  # a refusal (error_item); an engine failure is a string
+    if isinstance(first, Refusal):
         await stream.aclose()
-        e = first["error"]
-        status = STATUS_OF_ERROR.get(e["kind"], 500)
-        raise APIError(status, e["message"], e.get("param"), retry_after if status in (429, 503) else None, counted=True)
-    return _prepend(first, stream)
+        raise refusal_error(first, retry_after)
+    return _chunks(first, stream)
 
 
-async def _prepend(first: dict[str, Any], rest: AsyncGenerator[dict[str, Any], None]) -> AsyncGenerator[dict[str, Any], None]:
+async def _chunks(first: Chunk, rest: AsyncGenerator[Chunk | Refusal, None]) -> AsyncGenerator[Chunk, None]:
     try:
         yield first
         async for item in rest:
+            assert isinstance(item, Chunk), "a refusal comes first and alone"
             yield item
     finally:
         await rest.aclose()
+
+
+async def final_chunk(stream: AsyncGenerator[Chunk, None], failure: str) -> Chunk:
+    """The stream read to its end, as one chunk holding all the text; the stream is closed (its
+    request cancelled) on the way out. A request that failed in the engine is a 500."""
+    text = ""
+    try:
+        async for chunk in stream:
+            if chunk.finish_reason == "error":
+                raise APIError(500, failure, counted=True)  # the replica counted it
+            text += chunk.text
+            if chunk.finish_reason is not None:
+                return Chunk(text, chunk.finish_reason, chunk.alternatives, chunk.prompt_tokens, chunk.completion_tokens)
+        raise APIError(500, f"{failure}: the stream ended without a result")
+    finally:
+        await stream.aclose()

@@ -4,6 +4,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
+from service.protocol import DEFAULT_TEMPERATURE
+
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False, strict=False)]
 
 
@@ -34,7 +36,7 @@ class CompletionRequest(StrictModel):
     model: StrictStr | None = None  # omitted: the generator (as vLLM serves its one model)
     prompt: Text | list[Text]
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: FiniteFloat = Field(1.0, ge=0.0, le=2.0)
+    temperature: FiniteFloat = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1)  # vLLM extension; 0 or -1: no limit
     n: StrictInt = 1

@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from service.engine.engine import Engine, StepError
+from service.engine.engine import Engine, EngineCounters
 from service.engine.errors import EngineDeadError, QueueFullError
 from service.engine.request import Delta, GenerationParams, Request
 
@@ -61,13 +61,21 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
+    def num_free_slots(self) -> int:
+        return self.engine.scheduler.slots.num_free
+
+    @property
+    def counters(self) -> EngineCounters:
+        return self.engine.counters
+
     async def submit(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None) -> AsyncGenerator[Delta, None]:
-        """Validates and queues at once (raising InvalidRequestError or QueueFullError before any
-        model work), then returns the request's delta stream. Leaving the stream early (a client
-        disconnect cancels the reader) aborts the request at the next step."""
+        """Resolves and checks the parameters and queues at once (raising InvalidRequestError or
+        QueueFullError before any model work), then returns the request's delta stream. Leaving
+        the stream early (a client disconnect cancels the reader) aborts the request at the next
+        step."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
-        self.engine.validate(prompt_ids, params.max_tokens, params.beam_size, params.n_best)
+        params = self.engine.resolve(prompt_ids, params)
         with self._pending_lock:
             if self.num_waiting() >= self.engine.config.max_waiting:
                 raise QueueFullError(f"waiting queue full ({self.engine.config.max_waiting} requests)")
@@ -144,13 +152,11 @@ class AsyncEngine:
                 self._wakeup.clear()
                 continue
             try:
-                deltas = self.engine.step()
-            except StepError as error:
-                deltas = error.deltas  # that step's requests failed; the loop goes on
+                output = self.engine.step()  # a model failure fails that step's requests only
             except Exception:
                 log.exception("engine step raised outside the model; continuing")
                 continue
-            self._publish(deltas)
+            self._publish(output.deltas)
 
 
 def _deliver(items: list[tuple["asyncio.Queue[Delta]", Delta]]) -> None:

@@ -20,11 +20,12 @@ class RequestStatus(Enum):
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """What to produce. beam_size > 1 (translator only) returns n_best hypotheses at the end
-    instead of streaming tokens."""
+    """What to produce. max_tokens None: the engine's default for the prompt (Engine.resolve).
+    beam_size > 1 (translator only) returns n_best hypotheses at the end instead of streaming
+    tokens, and ignores sampling."""
 
-    max_tokens: int = 64
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    max_tokens: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     beam_size: int = 1
     n_best: int = 1
@@ -41,10 +42,16 @@ class Request:
     slots: list[int] = field(default_factory=list)  # cache rows held (beam_size of them while running)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    generator: torch.Generator | None = None  # per-request sampling randomness
+    rng: torch.Generator | None = None  # per-request sampling randomness
     scheduled_time: float | None = None  # when it left the waiting queue
     first_token_time: float | None = None
     last_token_time: float = 0.0
+
+    @property
+    def max_tokens(self) -> int:
+        """The output length limit, once the engine has resolved the parameters."""
+        assert self.params.max_tokens is not None, "parameters not resolved by the engine"
+        return self.params.max_tokens
 
     @property
     def slots_needed(self) -> int:

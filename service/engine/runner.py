@@ -31,6 +31,7 @@ class StepResult:
 class ModelRunner(Protocol):
     tokenizer: Tokenizer
     max_prompt_len: int  # longest prompt (generator) or source (translator), in tokens
+    strip_leading_space: bool  # output text starts without the word-boundary space its first token carries
     last_prefill_seconds: float  # the prompt / encoder pass of the last execute()
 
     def max_new_tokens(self, prompt_length: int) -> int:
@@ -53,10 +54,10 @@ class ModelRunner(Protocol):
 
 def _sample(logits: Tensor, requests: list[Request]) -> list[int]:
     for r in requests:
-        if r.generator is None and not r.params.sampling.greedy:
+        if r.rng is None and not r.params.sampling.greedy:
             seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
-            r.generator = torch.Generator().manual_seed(seed)
-    return sample_next(logits, [r.params.sampling for r in requests], [r.generator for r in requests]).tolist()
+            r.rng = torch.Generator().manual_seed(seed)
+    return sample_next(logits, [r.params.sampling for r in requests], [r.rng for r in requests]).tolist()
 
 
 class GeneratorRunner:
@@ -71,6 +72,7 @@ class GeneratorRunner:
         self.cache = KVCache(c.n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
         self.max_len = c.max_len
         self.max_prompt_len = c.max_len - 1
+        self.strip_leading_space = False  # a play's text keeps its layout
         self.last_prefill_seconds = 0.0
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
@@ -166,6 +168,7 @@ class TranslatorRunner:
         self.cross_cache = CrossAttentionCache(n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
         self.max_len = c.max_len
         self.max_prompt_len = c.max_len
+        self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
         self.last_prefill_seconds = 0.0
         self._beams: dict[str, BeamState] = {}
         self._beam_tokens: dict[str, list[int]] = {}  # the last token of each live beam
@@ -204,7 +207,7 @@ class TranslatorRunner:
         self.cross_cache.write(slots, [(k[rows], v[rows]) for k, v in memory_kv], (src != self.model.config.pad_id)[rows])
         for r in requests:
             if r.params.beam_size > 1:
-                self._beams[r.request_id] = BeamState(r.params.beam_size, r.params.max_tokens, r.params.length_penalty)
+                self._beams[r.request_id] = BeamState(r.params.beam_size, r.max_tokens, r.params.length_penalty)
                 self._beam_tokens[r.request_id] = [BOS_ID] * r.params.beam_size
 
     def _last_tokens(self, r: Request) -> list[int]:

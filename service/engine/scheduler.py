@@ -3,12 +3,10 @@
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
 
+from service.engine.config import BatchingPolicy
 from service.engine.errors import QueueFullError
 from service.engine.request import FinishReason, Request, RequestStatus
-
-BatchingPolicy = Literal["continuous", "static"]
 
 
 class SlotAllocator:

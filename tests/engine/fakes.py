@@ -26,6 +26,7 @@ class FakeRunner:
 
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     max_prompt_len: int = 100
+    strip_leading_space: bool = False
     fail_on: set[str] = field(default_factory=set)  # request ids whose step raises
     executed: list[SchedulerOutput] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
@@ -34,6 +35,9 @@ class FakeRunner:
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return 1000
+
+    def default_max_tokens(self, prompt_length: int) -> int:
+        return 64
 
     @property
     def kv_cache_bytes(self) -> int:

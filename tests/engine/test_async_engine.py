@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from service.engine.async_engine import AsyncEngine, paced
-from service.engine.engine import Engine, EngineConfig
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
 from service.engine.errors import QueueFullError
 from service.engine.request import Delta, GenerationParams
 from tests.engine.fakes import FakeRunner

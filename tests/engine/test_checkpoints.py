@@ -7,8 +7,10 @@ from model.beam_search import beam_search
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from model.data import SHARED_DATA, pad, read_lines
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from model.sampling import GREEDY
 from model.translate import greedy_translate
-from service.engine.engine import Engine, EngineConfig
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from tests.engine.test_exactness import run
 
@@ -16,7 +18,10 @@ from tests.engine.test_exactness import run
 def test_generator_engine_equals_recomputation_on_the_shipped_checkpoint() -> None:
     engine = Engine.from_checkpoint(DEFAULT_GENERATOR, EngineConfig(n_slots=4))
     prompts = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING"]
-    requests = [Request(f"g{i}", engine.runner.encode_prompt(p), GenerationParams(max_tokens=30 + 10 * i)) for i, p in enumerate(prompts)]
+    requests = [
+        Request(f"g{i}", engine.runner.encode_prompt(p), GenerationParams(sampling=GREEDY, max_tokens=30 + 10 * i))
+        for i, p in enumerate(prompts)
+    ]
     batched = run(engine, {0: requests[:1], 2: requests[1:]})
     model = engine.runner.model  # type: ignore[attr-defined]
     for r in requests:
@@ -31,7 +36,7 @@ def test_idle_rows_in_the_decode_span_leave_outputs_unchanged() -> None:
     lengths = [30, 2, 2, 2, 2, 30, 12, 12]
     prompts = ["ROMEO:\n", "A", "B", "C", "D", "JULIET:\nO Romeo", "KING HENRY:\n", "First Citizen:\nWe are"]
     requests = [
-        Request(f"g{i}", engine.runner.encode_prompt(p), GenerationParams(max_tokens=n))
+        Request(f"g{i}", engine.runner.encode_prompt(p), GenerationParams(sampling=GREEDY, max_tokens=n))
         for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
     ]
     batched = run(engine, {0: requests[:6], 6: requests[6:7], 9: requests[7:]})
@@ -44,7 +49,9 @@ def test_idle_rows_in_the_decode_span_leave_outputs_unchanged() -> None:
 def test_translator_engine_equals_recomputation_on_the_shipped_checkpoint() -> None:
     sentences = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")[:8]
     engine = Engine.from_checkpoint(DEFAULT_TRANSLATOR, EngineConfig(n_slots=8))
-    requests = [Request(f"t{i}", engine.runner.encode_prompt(s), GenerationParams(max_tokens=40)) for i, s in enumerate(sentences)]
+    requests = [
+        Request(f"t{i}", engine.runner.encode_prompt(s), GenerationParams(sampling=GREEDY, max_tokens=40)) for i, s in enumerate(sentences)
+    ]
     batched = run(engine, {0: requests[:4], 3: requests[4:]})
     model = engine.runner.model  # type: ignore[attr-defined]
     src = pad([r.prompt_ids for r in requests])

@@ -10,10 +10,11 @@ from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
 from model.config import TranslatorConfig
 from model.generator import Generator
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.sampling import SamplingParams
+from model.sampling import GREEDY, SamplingParams
 from model.tokenizer import EOS_ID
 from model.translator import Translator
-from service.engine.engine import Engine, EngineConfig
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner, TranslatorRunner, decode_rows
 from tests.engine.fakes import FakeTokenizer
@@ -47,7 +48,7 @@ def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500
             engine.add_request(r)
         if not engine.has_work and step > max(arrivals):
             break
-        for d in engine.step():
+        for d in engine.step().deltas:
             tokens.setdefault(d.request_id, []).extend(d.token_ids)
     return tokens
 
@@ -57,7 +58,13 @@ PROMPTS = [[5, 9, 13, 7], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8], [21, 33], [60, 4, 1
 
 def test_generator_batched_with_joins_and_leaves_equals_alone_and_recomputation() -> None:
     lengths = [12, 5, 20, 3, 9]
-    requests = lambda: [Request(f"r{i}", p, GenerationParams(max_tokens=n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))]  # noqa: E731
+
+    def requests() -> list[Request]:
+        return [
+            Request(f"r{i}", p, GenerationParams(sampling=GREEDY, max_tokens=n))
+            for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))
+        ]
+
     batched = run(generator_engine(), {0: requests()[:2], 2: requests()[2:4], 7: requests()[4:]})
     for i, r in enumerate(requests()):
         alone = run(generator_engine(), {0: [r]})
@@ -76,7 +83,7 @@ def test_seeded_sampling_gives_the_same_tokens_alone_or_batched() -> None:
 
 
 def test_abort_mid_batch_leaves_the_others_unchanged_and_frees_the_slot() -> None:
-    requests = lambda: [Request(f"r{i}", p, GenerationParams(max_tokens=10)) for i, p in enumerate(PROMPTS[:3])]  # noqa: E731
+    requests = lambda: [Request(f"r{i}", p, GenerationParams(sampling=GREEDY, max_tokens=10)) for i, p in enumerate(PROMPTS[:3])]  # noqa: E731
     expected = run(generator_engine(), {0: requests()})
     engine = generator_engine()
     for r in requests():
@@ -85,7 +92,7 @@ def test_abort_mid_batch_leaves_the_others_unchanged_and_frees_the_slot() -> Non
     for step in range(40):
         if step == 3:
             engine.abort("r1")
-        for d in engine.step():
+        for d in engine.step().deltas:
             got.setdefault(d.request_id, []).extend(d.token_ids)
     assert got["r0"] == expected["r0"] and got["r2"] == expected["r2"]
     assert len(got["r1"]) == 3
@@ -94,7 +101,7 @@ def test_abort_mid_batch_leaves_the_others_unchanged_and_frees_the_slot() -> Non
 
 def test_translator_engine_greedy_equals_offline_greedy_while_requests_come_and_go() -> None:
     sources = [[5, 9, 13, 7, EOS_ID], [40, EOS_ID], [8, 8, 8, 8, 8, 8, EOS_ID], [21, 33, EOS_ID]]
-    requests = [Request(f"t{i}", s, GenerationParams(max_tokens=12)) for i, s in enumerate(sources)]
+    requests = [Request(f"t{i}", s, GenerationParams(sampling=GREEDY, max_tokens=12)) for i, s in enumerate(sources)]
     engine = translator_engine()
     batched = run(engine, {0: requests[:2], 3: requests[2:]})
     model = engine.runner.model  # type: ignore[attr-defined]
@@ -107,16 +114,16 @@ def test_translator_engine_beam_search_equals_offline_beam_search() -> None:
     engine = translator_engine()
     finals = {}
     arrivals = {
-        0: [Request("b0", sources[0], GenerationParams(max_tokens=10, beam_size=4, n_best=2))],
+        0: [Request("b0", sources[0], GenerationParams(sampling=GREEDY, max_tokens=10, beam_size=4, n_best=2))],
         2: [
-            Request("g", sources[1], GenerationParams(max_tokens=10)),
-            Request("b2", sources[2], GenerationParams(max_tokens=10, beam_size=3)),
+            Request("g", sources[1], GenerationParams(sampling=GREEDY, max_tokens=10)),
+            Request("b2", sources[2], GenerationParams(sampling=GREEDY, max_tokens=10, beam_size=3)),
         ],
     }
     for step in range(60):
         for r in arrivals.get(step, []):
             engine.add_request(r)
-        for d in engine.step():
+        for d in engine.step().deltas:
             if d.finish_reason is not None:
                 finals[d.request_id] = d
     model = engine.runner.model  # type: ignore[attr-defined]

@@ -8,7 +8,9 @@ import torch
 
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from model.generator import Generator
-from service.engine.engine import Engine, EngineConfig
+from model.sampling import GREEDY
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner
 from tests.engine.fakes import FakeTokenizer
@@ -18,7 +20,7 @@ from tests.engine.test_exactness import PROMPTS, context_sensitive_generator, ru
 def tokens_with(fixed_shape: bool, device: str = "cpu", model: Generator | None = None) -> dict[str, list[int]]:
     model = copy.deepcopy(model or context_sensitive_generator()).to(device)  # the shared one stays on the CPU
     engine = Engine(GeneratorRunner(model, FakeTokenizer(), n_slots=6, fixed_shape_decode=fixed_shape), EngineConfig(n_slots=6))  # type: ignore[arg-type]
-    requests = [Request(f"r{i}", p, GenerationParams(max_tokens=8 + 3 * i)) for i, p in enumerate(PROMPTS)]
+    requests = [Request(f"r{i}", p, GenerationParams(sampling=GREEDY, max_tokens=8 + 3 * i)) for i, p in enumerate(PROMPTS)]
     return run(engine, {0: requests[:2], 3: requests[2:]})
 
 
@@ -36,5 +38,5 @@ def test_shipped_checkpoints_serve_in_bfloat16_on_gpu() -> None:
     for checkpoint in (DEFAULT_GENERATOR, DEFAULT_TRANSLATOR):
         engine = Engine.from_checkpoint(checkpoint, EngineConfig(n_slots=8), "cuda", torch.bfloat16)
         prompt = engine.runner.encode_prompt("A man is riding a bike.")
-        tokens = run(engine, {0: [Request("x", prompt, GenerationParams(max_tokens=20))]})
+        tokens = run(engine, {0: [Request("x", prompt, GenerationParams(sampling=GREEDY, max_tokens=20))]})
         assert tokens["x"], f"{checkpoint.name} produced nothing on the GPU"

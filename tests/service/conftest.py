@@ -11,19 +11,23 @@ import pytest
 
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.config import RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
+from service.engine.config import EngineConfig
 
 APP_NAME = "transformers"
 TEST_CONFIG = ServiceConfig(
     translator=ModelServingConfig(
-        name="transformer-en-de", checkpoint=DEFAULT_TRANSLATOR, n_slots=16, max_waiting=16, num_cpus=0.5, torch_threads=1
+        name="transformer-en-de",
+        checkpoint=DEFAULT_TRANSLATOR,
+        engine=EngineConfig(n_slots=16, max_waiting=16),
+        num_cpus=0.5,
+        torch_threads=1,
     ),
     generator=ModelServingConfig(
         name="transformer-shakespeare",
         checkpoint=DEFAULT_GENERATOR,
-        n_slots=16,
         # Requests not yet taken in by the engine count as waiting: 32 streams at once may all
         # reach one replica before its next step. (The 429 tests flood the translator.)
-        max_waiting=32,
+        engine=EngineConfig(n_slots=16, max_waiting=32, default_max_tokens=16),
         num_replicas=2,
         num_cpus=0.5,
         torch_threads=1,

@@ -185,7 +185,7 @@ def test_disconnecting_a_stream_frees_its_slot(service_url: str) -> None:
     while True:
         stats = replica_stats("Generator")
         aborted = sum(s["finished"].get("abort", 0) for s in stats.values())
-        idle = all(s["running"] == 0 and s["free_slots"] == TEST_CONFIG.generator.n_slots for s in stats.values())
+        idle = all(s["running"] == 0 and s["free_slots"] == TEST_CONFIG.generator.engine.n_slots for s in stats.values())
         if aborted == before + 1 and idle:
             break
         assert time.monotonic() < deadline, f"slot not freed: {stats}"

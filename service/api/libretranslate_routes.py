@@ -1,0 +1,134 @@
+"""LibreTranslate's API: `/translate` (text or HTML, JSON or form bodies), `/detect`,
+`/languages` and `/frontend/settings`, answered as LibreTranslate answers them."""
+
+import json
+from typing import Any, TypeVar
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ValidationError
+
+from service.api.errors import APIError
+from service.api.language_id import detect_languages
+from service.api.schemas import DetectRequest, LibreTranslateRequest
+from service.api.translation import check_size, plain_text, refuse_foreign_text, translate_documents
+from service.config import ServiceConfig
+from service.protocol import GenerateRequest
+
+router = APIRouter()
+
+LANGUAGES = [{"code": "en", "name": "English", "targets": ["de"]}, {"code": "de", "name": "German", "targets": []}]
+
+
+def libretranslate_body(schema: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI request body of a LibreTranslate route: JSON, urlencoded form or multipart form."""
+    content = {
+        kind: {"schema": schema.model_json_schema()}
+        for kind in ("application/json", "application/x-www-form-urlencoded", "multipart/form-data")
+    }
+    return {"requestBody": {"content": content, "required": True}}
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def read_libretranslate_body(request: Request, schema: type[Body]) -> Body:
+    """LibreTranslate accepts JSON, urlencoded and multipart form bodies alike; a repeated form
+    field `q` is a list."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    try:
+        data: Any
+        if content_type == "multipart/form-data":
+            form = await request.form()
+            data = {k: [v for v in form.getlist(k) if isinstance(v, str)] for k in form}
+            data = {k: (v if k == "q" and len(v) > 1 else v[0]) for k, v in data.items() if v}
+        elif content_type == "application/x-www-form-urlencoded":
+            fields = parse_qs((await request.body()).decode("utf-8"), keep_blank_values=True)
+            data = {k: (v if k == "q" and len(v) > 1 else v[0]) for k, v in fields.items()}
+        else:
+            data = json.loads(await request.body(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not allowed")))
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object or a form")
+        if content_type != "application/json" and "alternatives" in data:
+            data["alternatives"] = int(data["alternatives"])
+        return schema.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise APIError(400, f"Invalid request: {field}: {first['msg']}", field) from None
+    except (ValueError, UnicodeDecodeError, AssertionError):
+        raise APIError(400, "Invalid request: the body is not valid JSON or form data") from None
+
+
+@router.post(
+    "/translate",
+    tags=["libretranslate"],
+    responses={400: {"description": "Invalid request"}, 429: {"description": "Overloaded"}},
+    openapi_extra=libretranslate_body(LibreTranslateRequest),
+)
+async def libretranslate(request: Request) -> dict[str, Any]:
+    """LibreTranslate's translate: text or HTML, one or a list; `alternatives` are the beam's n-best."""
+    config: ServiceConfig = request.app.state.config
+    body = await read_libretranslate_body(request, LibreTranslateRequest)
+    if body.source not in ("en", "auto") or body.target != "de":
+        raise APIError(400, f"{body.source} -> {body.target} is not supported; this server translates en -> de")
+    texts = body.q if isinstance(body.q, list) else [body.q]
+    check_size(texts, config, "q")
+    plain = [plain_text(t, body.format) for t in texts] if body.source == "auto" else []
+    if plain:
+        refuse_foreign_text(plain, "source")
+    beam_size = max(config.default_beam_size, body.alternatives + 1)
+    template = GenerateRequest(text="", temperature=0.0, beam_size=beam_size, n_best=body.alternatives + 1)
+    results = await translate_documents(request.app.state.backends, config, texts, body.format, template, "q")
+    answer: dict[str, Any]
+    if isinstance(body.q, list):
+        answer = {"translatedText": [r.text for r in results]}
+        if body.alternatives:
+            answer["alternatives"] = [r.alternatives for r in results]
+    else:
+        answer = {"translatedText": results[0].text}
+        if body.alternatives:
+            answer["alternatives"] = results[0].alternatives
+    if plain:
+        detected = [detect_languages(t, top=1)[0] for t in plain]
+        shapes = [{"confidence": round(d.confidence * 100, 1), "language": d.language} for d in detected]
+        answer["detectedLanguage"] = shapes if isinstance(body.q, list) else shapes[0]
+    return answer
+
+
+@router.post(
+    "/detect",
+    tags=["libretranslate"],
+    responses={400: {"description": "Invalid request"}},
+    openapi_extra=libretranslate_body(DetectRequest),
+)
+async def detect(request: Request) -> list[dict[str, Any]]:
+    """LibreTranslate's detect: the three most probable languages, confidence in percent."""
+    config: ServiceConfig = request.app.state.config
+    body = await read_libretranslate_body(request, DetectRequest)
+    if not body.q.strip():
+        raise APIError(400, "Invalid request: q is empty", "q")
+    if len(body.q) > config.max_translate_chars:
+        raise APIError(400, f"q has {len(body.q)} characters; the limit is {config.max_translate_chars}", "q")
+    return [{"confidence": round(d.confidence * 100, 1), "language": d.language} for d in detect_languages(body.q)]
+
+
+@router.get("/languages", tags=["libretranslate"])
+async def languages() -> list[dict[str, Any]]:
+    return LANGUAGES
+
+
+@router.get("/frontend/settings", tags=["libretranslate"])
+async def frontend_settings(request: Request) -> dict[str, Any]:
+    """What LibreTranslate's clients read before translating: limits and the language pair."""
+    config: ServiceConfig = request.app.state.config
+    return {
+        "charLimit": config.max_translate_chars,
+        "frontendTimeout": 500,
+        "apiKeys": False,
+        "keyRequired": False,
+        "suggestions": False,
+        "filesTranslation": False,
+        "supportedFilesFormat": [],
+        "language": {"source": {"code": "en", "name": "English"}, "target": {"code": "de", "name": "German"}},
+    }

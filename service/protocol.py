@@ -1,0 +1,58 @@
+"""What crosses Ray between the HTTP layer and a model replica: typed, plain dataclasses (no Ray,
+no FastAPI, no torch, so the ingress never loads a tensor library).
+
+A replica's `generate(GenerateRequest)` is a stream that yields exactly one of:
+
+- one `Refusal` and nothing else: the request was never admitted (nothing was computed);
+- one or more `Chunk`s in order; only the last has `finish_reason` set. The first comes as soon as
+  the request is admitted (its text may be empty). A streamed request gets its text as it is made
+  (at most one chunk per stream interval), a request that is not streamed gets the rest in one
+  last chunk. Beam search (beam_size > 1) sends all its text in the last chunk, with the
+  `alternatives`. finish_reason "error" ends a request that failed inside the engine.
+
+Closing the stream early cancels the request; it stops using the model within one step.
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+# invalid: the request can never be served as asked (HTTP 400); overloaded: the replica's queue is
+# full, retry later (429); unavailable: the replica's engine is not running (503).
+RefusalKind = Literal["invalid", "overloaded", "unavailable"]
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's; translation routes ask for 0 (greedy) or beam search
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation or one sentence to translate."""
+
+    text: str  # the prompt, or the source sentence
+    max_tokens: int | None = None  # None: the model's default for this input (decided by the engine)
+    temperature: float = DEFAULT_TEMPERATURE  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    beam_size: int = 1
+    n_best: int = 1  # hypotheses returned by beam search: the best and n_best - 1 alternatives
+    length_penalty: float = 1.0
+    stream: bool = False  # chunks as tokens are made (paced), rather than the rest at the end
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str  # new text since the previous chunk; never splits a character
+    finish_reason: FinishReason | None = None  # set on the last chunk only
+    alternatives: tuple[str, ...] = ()  # beam search's next best, on the last chunk
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+
+
+@dataclass(frozen=True)
+class Refusal:
+    kind: RefusalKind
+    message: str  # for the client; never echoes the input
+    param: str | None = None  # the request field at fault, for "invalid"
