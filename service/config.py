@@ -62,6 +62,8 @@ class ServiceConfig(BaseModel):
     # Sentences of one request in the translator at once (the rest wait at the ingress): below
     # what a replica's queue holds, so a long text is never refused on its own.
     sentences_in_flight: int = Field(16, ge=1)
+    # return_attention: at most this many sentences per request (each map is layers x heads x T x S floats).
+    max_attention_sentences: int = Field(4, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
     ingress_max_queued_requests: int = 512
     retry_after_seconds: int = 1

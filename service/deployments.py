@@ -2,6 +2,7 @@
 into token ids and engine parameters, streams the engine's deltas as protocol Chunks (or one
 Refusal) and reports health; limits and defaults are the engine's."""
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,9 +16,10 @@ from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
 from service.engine.engine import Engine
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from service.engine.inspector import AttentionInspector
 from service.engine.request import Delta, GenerationParams, Request
 from service.metrics import ServingMetrics
-from service.protocol import Chunk, GenerateRequest, Refusal
+from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
 
@@ -60,6 +62,7 @@ class ModelDeployment:
         engine.on_step = self.metrics.record_step
         self.engine = AsyncEngine(engine)
         self.runner = engine.runner
+        self.inspector = AttentionInspector(config.checkpoint, device)
         log.info(
             "%s ready on %s (%s, %d torch threads), KV cache %.1f MB",
             config.name, device, dtype, torch.get_num_threads(), self.runner.kv_cache_bytes / 1e6,
@@ -91,6 +94,14 @@ class ModelDeployment:
         interval_s = self.config.stream_interval_ms / 1000 if request.stream else None
         async for delta in paced(stream, interval_s):
             yield chunk(delta)
+
+    async def attention(self, request: AttentionRequest) -> AttentionMap | Refusal:
+        """Attention weights of one input (a private model copy, off the step loop's thread)."""
+        try:
+            source, target, weights = await asyncio.to_thread(self.inspector.attention, request.text, request.target)
+        except InvalidRequestError as error:
+            return Refusal("invalid", str(error), error.param)
+        return AttentionMap(source, target, weights.tolist())
 
     async def ready(self) -> bool:
         return self.engine.alive

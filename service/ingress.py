@@ -14,7 +14,7 @@ from service.api.app import create_api
 from service.api.backend import Backends
 from service.config import ServiceConfig
 from service.metrics import request_failure_counter
-from service.protocol import Chunk, GenerateRequest, Refusal
+from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
 
 READY_TIMEOUT_S = 2.0
 
@@ -32,6 +32,10 @@ class RayBackend:
                 yield item
         finally:
             response.cancel()  # a no-op once finished; stops the replica's work if the client left
+
+    async def attention(self, request: AttentionRequest) -> AttentionMap | Refusal:
+        result: AttentionMap | Refusal = await self.handle.attention.remote(request)
+        return result
 
     async def ready(self) -> bool:
         return bool(await asyncio.wait_for(self.handle.ready.remote(), READY_TIMEOUT_S))

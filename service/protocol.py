@@ -56,3 +56,22 @@ class Refusal:
     kind: RefusalKind
     message: str  # for the client; never echoes the input
     param: str | None = None  # the request field at fault, for "invalid"
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """Attention weights of one input, from the model's explicit attention path."""
+
+    text: str  # the generator: the text; the translator: the source sentence
+    target: str | None = None  # the translator: the translation to explain (as the engine returned it)
+
+
+@dataclass(frozen=True)
+class AttentionMap:
+    """weights[layer][head][i][j]: how much attending token i looked at token j; each row sums to 1.
+    The translator: target tokens (the translation, then end of sentence) over source tokens
+    (ending with end of sentence). The generator: the text's tokens over themselves, causal."""
+
+    source_tokens: tuple[str, ...]
+    target_tokens: tuple[str, ...]
+    weights: list[list[list[list[float]]]]

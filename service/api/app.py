@@ -7,9 +7,10 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api import libretranslate_routes, openai_routes, translation_routes
+from service.api import libretranslate_routes, openai_routes, playground_routes, translation_routes
 from service.api.backend import Backends
 from service.api.errors import FailureHook, error_response, install_error_handlers
 from service.config import ServiceConfig
@@ -92,6 +93,8 @@ def create_api(config: ServiceConfig, backends: Backends, on_failure: FailureHoo
     api.include_router(openai_routes.router)
     api.include_router(translation_routes.router)
     api.include_router(libretranslate_routes.router)
+    api.include_router(playground_routes.router)
+    api.mount("/static", StaticFiles(directory=playground_routes.STATIC), name="static")
 
     @api.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

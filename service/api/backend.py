@@ -6,12 +6,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from service.api.errors import APIError
-from service.protocol import Chunk, GenerateRequest, Refusal, RefusalKind
+from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, RefusalKind
 
 
 class ModelBackend(Protocol):
     def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
         """The deployment's `generate` stream; closing it early cancels the request."""
+
+    async def attention(self, request: AttentionRequest) -> AttentionMap | Refusal:
+        """The model's attention weights on one input."""
 
     async def ready(self) -> bool: ...
 
@@ -29,6 +32,14 @@ def refusal_error(refusal: Refusal, retry_after: int) -> APIError:
     """The HTTP error of a refusal; 429 and 503 tell the client when to come back."""
     status = STATUS_OF_REFUSAL[refusal.kind]
     return APIError(status, refusal.message, refusal.param, retry_after if status in (429, 503) else None, counted=True)
+
+
+async def attention_map(backend: ModelBackend, request: AttentionRequest, retry_after: int) -> AttentionMap:
+    """The attention weights, or the refusal as an HTTP error."""
+    result = await backend.attention(request)
+    if isinstance(result, Refusal):
+        raise refusal_error(result, retry_after)
+    return result
 
 
 async def open_stream(backend: ModelBackend, request: GenerateRequest, retry_after: int) -> AsyncGenerator[Chunk, None]:

@@ -68,8 +68,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     model = config.generator.name
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(stream_completion(stream, base, include_usage), media_type="text/event-stream")
+        options = body.stream_options
+        include_usage, continuous = (options.include_usage, options.continuous_usage_stats) if options else (False, False)
+        return StreamingResponse(stream_completion(stream, base, include_usage, continuous), media_type="text/event-stream")
     last = await final_chunk(stream, "internal error during generation")
     return {
         **base,
@@ -86,14 +87,18 @@ def usage(chunk: Chunk) -> dict[str, int]:
     }
 
 
-async def stream_completion(stream: AsyncIterator[Chunk], base: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+async def stream_completion(
+    stream: AsyncIterator[Chunk], base: dict[str, Any], include_usage: bool, continuous_usage: bool = False
+) -> AsyncIterator[str]:
+    """OpenAI's stream: a frame per chunk with text; with include_usage a last frame of usage
+    alone; with continuous_usage_stats (vLLM's extension) the usage so far on every frame."""
     async for chunk in stream:
         if chunk.finish_reason == "error":
             yield sse_error("internal error during generation", 500)
             break
         if chunk.text or chunk.finish_reason is not None:
             choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
-            yield sse({**base, "choices": [choice]})
+            yield sse({**base, "choices": [choice], **({"usage": usage(chunk)} if continuous_usage else {})})
         if chunk.finish_reason is not None and include_usage:
             yield sse({**base, "choices": [], "usage": usage(chunk)})
     yield sse("[DONE]")

@@ -27,6 +27,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: usage (tokens so far) on every chunk
 
 
 class CompletionRequest(StrictModel):
@@ -98,6 +99,15 @@ class TranslateRequest(StrictModel):
     length_penalty: FiniteFloat = Field(1.0, ge=0.0, le=2.0)
     max_tokens: StrictInt | None = Field(None, ge=1)
     stream: StrictBool = False
+    # Per sentence, the best output's cross-attention weights [layer][head][target][source].
+    return_attention: StrictBool = False
+
+
+class AttentionRequestBody(StrictModel):
+    """`POST /v1/attention`: the generator's self-attention over a text."""
+
+    text: Text = Field(min_length=1)
+    model: StrictStr | None = None
 
 
 class LibreTranslateRequest(StrictModel):

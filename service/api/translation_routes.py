@@ -1,5 +1,6 @@
 """`POST /v1/translate`: English -> German, sentence by sentence (service/api/translation.py)."""
 
+import asyncio
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -8,14 +9,23 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.backend import Backends, open_stream
+from service.api.backend import Backends, attention_map, open_stream
 from service.api.errors import APIError
 from service.api.schemas import TranslateRequest
 from service.api.sentences import Span
 from service.api.streams import ERROR_RESPONSES, sse, sse_error
-from service.api.translation import check_size, open_sentences, plain_text, refuse_foreign_text, split_texts, translate_documents, usage
+from service.api.translation import (
+    TextTranslation,
+    check_size,
+    open_sentences,
+    plain_text,
+    refuse_foreign_text,
+    split_texts,
+    translate_documents,
+    usage,
+)
 from service.config import ServiceConfig
-from service.protocol import Chunk, GenerateRequest
+from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest
 
 router = APIRouter()
 
@@ -35,6 +45,8 @@ async def translate(body: TranslateRequest, request: Request) -> Any:
         raise APIError(400, f"alternatives must be below beam_size ({beam_size})", "alternatives")
     if body.stream and (len(texts) != 1 or beam_size != 1 or body.format != "text"):
         raise APIError(400, "stream needs one text, format text and beam_size 1", "stream")
+    if body.return_attention and (body.stream or body.format != "text"):
+        raise APIError(400, "return_attention needs format text and no stream", "return_attention")
     template = GenerateRequest(
         text="",
         max_tokens=body.max_tokens,  # per sentence
@@ -56,7 +68,13 @@ async def translate(body: TranslateRequest, request: Request) -> Any:
 
         first = await open_sentences(backends, config, sentences[: config.sentences_in_flight], template)
         return StreamingResponse(stream_sentences(texts[0], spans, first, open_sentence), media_type="text/event-stream")
+    if body.return_attention:
+        count = sum(len(spans) for spans in split_texts(texts, config, "text"))
+        if count > config.max_attention_sentences:
+            limit = config.max_attention_sentences
+            raise APIError(400, f"return_attention is limited to {limit} sentences per request; this has {count}", "return_attention")
     results = await translate_documents(backends, config, texts, body.format, template, "text")
+    maps = await attention_maps(backends, config, texts, results) if body.return_attention else {}
     return {
         "model": config.translator.name,
         "translations": [
@@ -70,13 +88,37 @@ async def translate(body: TranslateRequest, request: Request) -> Any:
                         "text": s.result.text,
                         "alternatives": list(s.result.alternatives),
                         "finish_reason": s.result.finish_reason,
+                        **({"attention": maps[i, j]} if maps else {}),
                     }
-                    for s in r.sentences
+                    for j, s in enumerate(r.sentences)
                 ],
             }
-            for r in results
+            for i, r in enumerate(results)
         ],
         "usage": usage(results),
+    }
+
+
+async def attention_maps(
+    backends: Backends, config: ServiceConfig, texts: list[str], results: list[TextTranslation]
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Cross-attention of each sentence's best translation, by (text, sentence) index."""
+    keys, requests = [], []
+    for i, (text, result) in enumerate(zip(texts, results, strict=True)):
+        for j, s in enumerate(result.sentences):
+            keys.append((i, j))
+            requests.append(AttentionRequest(text[s.span.start : s.span.end], s.result.text))
+    maps = await asyncio.gather(*(attention_map(backends.translator, r, config.retry_after_seconds) for r in requests))
+    return {key: attention_json(m) for key, m in zip(keys, maps, strict=True)}
+
+
+def attention_json(attention: AttentionMap) -> dict[str, Any]:
+    return {
+        "source_tokens": list(attention.source_tokens),
+        "target_tokens": list(attention.target_tokens),
+        "layers": len(attention.weights),
+        "heads": len(attention.weights[0]),
+        "weights": attention.weights,
     }
 
 

@@ -1,0 +1,211 @@
+// The playground: the service's own HTTP API from the browser, and its attention maps.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+
+// weights: [layer][head][row][column]; layer or head "avg" averages over that axis.
+function attentionMatrix(weights, layer, head) {
+  const layers = layer === "avg" ? weights : [weights[Number(layer)]];
+  const rows = layers[0][0].length, columns = layers[0][0][0].length;
+  const matrix = Array.from({ length: rows }, () => new Array(columns).fill(0));
+  let count = 0;
+  for (const heads of layers) {
+    for (const grid of head === "avg" ? heads : [heads[Number(head)]]) {
+      count += 1;
+      grid.forEach((row, i) => row.forEach((value, j) => { matrix[i][j] += value; }));
+    }
+  }
+  return matrix.map((row) => row.map((value) => value / count));
+}
+
+function fillSelect(select, count, label) {
+  const previous = select.value;
+  select.replaceChildren();
+  for (let i = 0; i < count; i += 1) select.add(new Option(`${label} ${i + 1}`, String(i)));
+  select.add(new Option("average", "avg"));
+  select.value = [...select.options].some((o) => o.value === previous) ? previous : "avg";
+}
+
+function shade(value) {
+  return `rgba(37, 99, 235, ${Math.min(1, value).toFixed(3)})`;
+}
+
+function tokenChip(text) {
+  const chip = document.createElement("span");
+  chip.className = "token";
+  chip.textContent = text.replace(/\n/g, "\u21b5");  // a line break shows as a return sign
+  return chip;
+}
+
+async function postJSON(path, body) {
+  const response = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+  const answer = await response.json();
+  if (!response.ok) throw Object.assign(new Error(answer.error ? answer.error.message : response.statusText), { param: answer.error && answer.error.param });
+  return answer;
+}
+
+// ---- Translate ----
+let sentences = [];
+
+async function translate() {
+  const button = $("translate-button");
+  button.disabled = true;
+  $("translate-status").textContent = "translating...";
+  const body = { text: $("source").value, beam_size: Number($("beam-size").value), alternatives: Number($("alternatives").value), return_attention: true };
+  if (body.alternatives >= body.beam_size) body.alternatives = body.beam_size - 1;
+  try {
+    let answer;
+    try {
+      answer = await postJSON("/v1/translate", body);
+    } catch (error) {
+      if (error.param !== "return_attention") throw error;
+      answer = await postJSON("/v1/translate", { ...body, return_attention: false });  // too many sentences to show attention
+    }
+    showTranslation(answer.translations[0]);
+    $("translate-status").textContent = "";
+  } catch (error) {
+    $("translate-status").textContent = `error: ${error.message}`;
+  } finally {
+    button.disabled = false;
+  }
+}
+
+function showTranslation(translation) {
+  const output = $("translation");
+  output.replaceChildren(document.createTextNode(translation.text));
+  translation.alternatives.forEach((text, i) => {
+    const line = document.createElement("div");
+    line.className = "alternative";
+    line.textContent = `alternative ${i + 1}: ${text}`;
+    output.append(line);
+  });
+  sentences = translation.sentences.filter((s) => s.attention);
+  $("attention-view").hidden = sentences.length === 0;
+  if (sentences.length === 0) return;
+  const select = $("sentence-select");
+  select.replaceChildren(...sentences.map((s, i) => new Option(`${i + 1}: ${s.text}`, String(i))));
+  fillSelect($("cross-layer"), sentences[0].attention.layers, "layer");
+  fillSelect($("cross-head"), sentences[0].attention.heads, "head");
+  drawHeatmap();
+}
+
+function drawHeatmap() {
+  const attention = sentences[Number($("sentence-select").value)].attention;
+  const matrix = attentionMatrix(attention.weights, $("cross-layer").value, $("cross-head").value);
+  const sourceChips = attention.source_tokens.map(tokenChip);
+  $("source-tokens").replaceChildren(...sourceChips);
+  const table = document.createElement("table");
+  const head = table.createTHead().insertRow();
+  head.append(document.createElement("th"));
+  for (const token of attention.source_tokens) {
+    const th = document.createElement("th");
+    th.textContent = token;
+    head.append(th);
+  }
+  const body = table.createTBody();
+  matrix.forEach((row, i) => {
+    const tr = body.insertRow();
+    const th = document.createElement("th");
+    th.textContent = attention.target_tokens[i];
+    tr.append(th);
+    row.forEach((value) => {
+      const td = tr.insertCell();
+      td.style.background = shade(value);
+      td.title = value.toFixed(3);
+    });
+    tr.addEventListener("mouseenter", () => row.forEach((value, j) => { sourceChips[j].style.background = shade(value); }));
+    tr.addEventListener("mouseleave", () => sourceChips.forEach((chip) => { chip.style.background = ""; }));
+  });
+  $("heatmap").replaceChildren(table);
+}
+
+// ---- Generate ----
+let selfAttention = null;
+let selectedToken = null;
+
+async function generate() {
+  const button = $("generate-button");
+  button.disabled = true;
+  $("self-attention-view").hidden = true;
+  const prompt = $("prompt").value;
+  const output = $("generated");
+  output.textContent = "";
+  for (const id of ["ttft", "tokens-per-s"]) $(id).textContent = "-";
+  $("token-count").textContent = "0";
+  const started = performance.now();
+  let firstToken = null, text = "";
+  try {
+    const response = await fetch("/v1/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({
+        prompt, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
+        temperature: Number($("temperature").value), top_p: Number($("top-p").value),
+        max_tokens: Number($("max-tokens").value), seed: Number($("seed").value),
+      }),
+    });
+    if (!response.ok) throw new Error((await response.json()).error.message);
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += value;
+      const events = buffer.split("\n\n");
+      buffer = events.pop();
+      for (const event of events) {
+        const data = event.replace(/^data: /, "");
+        if (data === "[DONE]") continue;
+        const frame = JSON.parse(data);
+        if (frame.error) throw new Error(frame.error.message);
+        if (frame.choices.length && frame.choices[0].text) {
+          if (firstToken === null) {
+            firstToken = performance.now();
+            $("ttft").textContent = `${Math.round(firstToken - started)} ms`;
+          }
+          text += frame.choices[0].text;
+          output.textContent = prompt + text;
+        }
+        if (frame.usage) {
+          const tokens = frame.usage.completion_tokens;
+          $("token-count").textContent = String(tokens);
+          const seconds = (performance.now() - started) / 1000;
+          if (seconds > 0) $("tokens-per-s").textContent = (tokens / seconds).toFixed(1);
+        }
+      }
+    }
+    await showSelfAttention(prompt + text);
+  } catch (error) {
+    output.textContent += `\n[error: ${error.message}]`;
+  } finally {
+    button.disabled = false;
+  }
+}
+
+async function showSelfAttention(text) {
+  selfAttention = await postJSON("/v1/attention", { text });
+  fillSelect($("self-layer"), selfAttention.layers, "layer");
+  fillSelect($("self-head"), selfAttention.heads, "head");
+  selectedToken = selfAttention.tokens.length - 1;
+  $("self-attention-view").hidden = false;
+  drawSelfAttention();
+}
+
+function drawSelfAttention() {
+  const matrix = attentionMatrix(selfAttention.weights, $("self-layer").value, $("self-head").value);
+  const row = matrix[selectedToken];
+  const chips = selfAttention.tokens.map((token, j) => {
+    const chip = tokenChip(token);
+    if (j === selectedToken) chip.classList.add("selected");
+    else if (j < selectedToken) chip.style.background = shade(row[j]);
+    chip.title = j <= selectedToken ? row[j].toFixed(3) : "";
+    chip.addEventListener("click", () => { selectedToken = j; drawSelfAttention(); });
+    return chip;
+  });
+  $("self-tokens").replaceChildren(...chips);
+}
+
+$("translate-button").addEventListener("click", translate);
+$("generate-button").addEventListener("click", generate);
+for (const id of ["sentence-select", "cross-layer", "cross-head"]) $(id).addEventListener("change", drawHeatmap);
+for (const id of ["self-layer", "self-head"]) $(id).addEventListener("change", drawSelfAttention);
