@@ -61,10 +61,14 @@ class LayerCaches:
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.n_slots, self.length = n_slots, length
 
-    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
-        """Row dst[i] becomes a copy of row src[i] (beam search reordering); sources are read first."""
+    def copy_slots(self, src: Tensor, dst: Tensor, length: int | None = None) -> None:
+        """Row dst[i] becomes a copy of row src[i] (beam search reordering), positions [0, length)
+        only (default: all); sources are read first."""
         for cache in self.keys + self.values:
-            cache[dst] = cache[src]
+            if length is None:
+                cache[dst] = cache[src]
+            else:
+                cache[dst, :, :length] = cache[src, :, :length]
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +117,6 @@ class CrossAttentionCache(LayerCaches):
         kv = [(k[rows, :, :length], v[rows, :, :length]) for k, v in zip(self.keys, self.values, strict=True)]
         return kv, self.src_valid[rows, :length][:, None, None, :]
 
-    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
-        super().copy_slots(src, dst)
+    def copy_slots(self, src: Tensor, dst: Tensor, length: int | None = None) -> None:
+        super().copy_slots(src, dst, length)
         self.src_valid[dst] = self.src_valid[src]

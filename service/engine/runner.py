@@ -216,32 +216,44 @@ class TranslatorRunner:
         return [r.output_ids[-1] if r.output_ids else BOS_ID]
 
     def _decode(self, requests: list[Request]) -> dict[str, StepResult]:
-        ids = torch.tensor([[t] for r in requests for t in self._last_tokens(r)], device=self.device)  # (R, 1)
-        slots = [s for r in requests for s in r.slots]
-        steps = [self._step_of(r) for r in requests for _ in r.slots]
-        positions = torch.tensor(steps, device=self.device)[:, None]  # (R, 1)
-        length = max(steps) + 1
-        src_length = max(len(r.prompt_ids) for r in requests)
-        memory_kv, src_mask = self.cross_cache.read(slots, src_length)
-        logits = self.model.decode(ids, memory_kv, src_mask, positions, self.cache.views(slots, positions, length), length)[:, -1]
-        results: dict[str, StepResult] = {}
-        row = 0
-        streamed = [r for r in requests if r.request_id not in self._beams]
-        streamed_rows = []
+        """One decoder step for every running sequence (each beam a row). The step runs the span of
+        cache rows `decode_rows` picks, idle rows included (pad at the last position, as the
+        generator's), so the caches are read through views; then beams are reordered with one
+        copy of the written prefix for all reordered rows of the step."""
+        token_of, step_of = {}, {}
         for r in requests:
-            rows = slice(row, row + len(r.slots))
-            row += len(r.slots)
-            if r.request_id not in self._beams:
-                streamed_rows.append(rows.start)
-                continue
-            state = self._beams[r.request_id]
-            parents, tokens = state.step(F.log_softmax(logits[rows].float(), dim=-1))
-            own = torch.tensor(r.slots, device=self.device)
-            self.cache.copy_slots(own[parents.to(self.device)], own)
-            self._beam_tokens[r.request_id] = tokens.tolist()
-            results[r.request_id] = StepResult(hypotheses=state.best(r.params.n_best) if state.done else None)
+            step = self._step_of(r)
+            for slot, token in zip(r.slots, self._last_tokens(r), strict=True):
+                token_of[slot], step_of[slot] = token, step
+        rows = decode_rows(list(token_of))
+        row_of = {s: i for i, s in enumerate(rows)}
+        ids = torch.tensor([[token_of.get(s, PAD_ID)] for s in rows], device=self.device)  # (R, 1)
+        positions = torch.tensor([[step_of.get(s, self.max_len - 1)] for s in rows], device=self.device)  # (R, 1)
+        length = max(step_of.values()) + 1
+        memory_kv, src_mask = self.cross_cache.read(rows, max(len(r.prompt_ids) for r in requests))
+        logits = self.model.decode(ids, memory_kv, src_mask, positions, self.cache.views(rows, positions, length), length)[:, -1]
+        results: dict[str, StepResult] = {}
+        beams = [r for r in requests if r.request_id in self._beams]
+        if beams:
+            beam_rows = torch.tensor([row_of[s] for r in beams for s in r.slots], device=self.device)
+            log_probs = F.log_softmax(logits[beam_rows].float(), dim=-1).cpu()  # (sum of K, V)
+            sources, targets, first = [], [], 0
+            for r in beams:
+                state = self._beams[r.request_id]
+                K = len(r.slots)
+                parents, tokens = state.step(log_probs[first : first + K])
+                first += K
+                if parents.tolist() != list(range(K)):  # reordered: rows take their parent's cache
+                    sources += [r.slots[p] for p in parents.tolist()]
+                    targets += r.slots
+                self._beam_tokens[r.request_id] = tokens.tolist()
+                results[r.request_id] = StepResult(hypotheses=state.best(r.params.n_best) if state.done else None)
+            if sources:
+                self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), length)
+        streamed = [r for r in requests if r.request_id not in self._beams]
         if streamed:
-            sampled = _sample(logits[torch.tensor(streamed_rows, device=self.device)], streamed)
+            streamed_rows = torch.tensor([row_of[r.slots[0]] for r in streamed], device=self.device)
+            sampled = _sample(logits[streamed_rows], streamed)
             results.update({r.request_id: StepResult(token=t) for r, t in zip(streamed, sampled, strict=True)})
         return results
 
