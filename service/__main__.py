@@ -1,6 +1,7 @@
 """`python -m service`: start a local Ray, deploy both models, serve until Ctrl-C.
 
-Listens on 127.0.0.1:8000 and exports metrics on 127.0.0.1:8080 unless told otherwise.
+Listens on 127.0.0.1:8000 and exports metrics on 127.0.0.1:8080 unless told otherwise. API keys,
+if any, come from the environment variable SERVING_API_KEYS (comma-separated), read at startup.
 """
 
 import argparse
@@ -15,8 +16,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
-from service.config import RAY_ENVIRONMENT, ServiceConfig
+from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
 from service.engine.config import EngineConfig
+
+API_KEYS_ENV = "SERVING_API_KEYS"  # not a flag: a process's arguments are visible to every user
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -31,6 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--generator-replicas", type=int, default=1)
     parser.add_argument("--slots", type=int, default=None, help="concurrent sequences per replica (default: 64 translator, 32 generator)")
     parser.add_argument("--torch-threads", type=int, default=None, help="CPU threads per replica")
+    parser.add_argument("--cors-origin", action="append", default=[], help="an origin browsers may call the API from (repeatable)")
     return parser.parse_args(argv)
 
 
@@ -48,6 +52,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
 
     translator, generator = defaults.translator, defaults.generator
     return ServiceConfig(
+        cors_origins=args.cors_origin,
         translator=translator.model_copy(
             update={
                 "checkpoint": args.translator_checkpoint,
@@ -83,6 +88,9 @@ def wait_ready(url: str, timeout_s: float = 300.0) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     config = service_config(args)
+    if API_KEYS_ENV in os.environ:  # set but holding no key: refused, rather than serving without keys
+        config = config.model_copy(update={"api_keys_env": API_KEYS_ENV}).with_environment_keys(os.environ)
+    os.environ.update(LOCAL_RAY_ENVIRONMENT)  # before Ray is imported
     import ray
     from ray import serve
 
@@ -100,10 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     serve.run(build_app(config), name="transformers", route_prefix="/")
     url = f"http://{args.host}:{args.port}"
     wait_ready(url)
+    keys = f"{len(config.api_keys)} configured (send Authorization: Bearer <key>)" if config.api_keys else "none required"
     example = json.dumps({"q": "A man is riding a bike.", "source": "en", "target": "de"})
     print(
         f"\nServing on {url}  (OpenAPI: {url}/docs)\n"
-        f"Metrics for Prometheus: http://127.0.0.1:{args.metrics_port}/metrics\n\n"
+        f"Metrics for Prometheus: http://127.0.0.1:{args.metrics_port}/metrics\n"
+        f"API keys: {keys}\n\n"
         f"Try:\n  curl -s {url}/translate -H 'Content-Type: application/json' -d '{example}'\n"
         f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
         f"""-d '{{"model": "transformer-shakespeare", "prompt": "ROMEO:", "max_tokens": 40}}'\n\n"""

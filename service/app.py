@@ -4,6 +4,7 @@ and Generator deployments, which scale independently.
 Serve config: `import_path: service.app:app_builder`, `args:` a ServiceConfig as a mapping.
 """
 
+import os
 from typing import Any
 
 from ray import serve
@@ -14,14 +15,20 @@ from service.deployments import ModelDeployment
 from service.ingress import Ingress
 
 
-def model_deployment(name: str, config: ModelServingConfig) -> Application:
+def model_deployment(name: str, config: ModelServingConfig, retry_after_s: int) -> Application:
     options: dict[str, Any] = {
         "name": name,
         "max_ongoing_requests": config.max_ongoing_requests,
-        "max_queued_requests": config.max_ongoing_requests,
+        "max_queued_requests": config.max_queued_requests or config.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
-        "health_check_period_s": 10,
-        "graceful_shutdown_timeout_s": 60,
+        # Past max_queued_requests the ingress's handle raises BackPressureError at once (no hop to
+        # a replica); RayBackend answers it as a 429 with Retry-After.
+        "backpressure_config": {"status_code": 429, "retry_after_s": retry_after_s},
+        "health_check_period_s": config.health_check_period_s,
+        "health_check_timeout_s": config.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": config.graceful_shutdown_wait_loop_s,
+        "max_surge_percent": config.max_surge_percent,
     }
     if config.autoscaling_config is not None:
         options["autoscaling_config"] = config.autoscaling_config
@@ -32,14 +39,25 @@ def model_deployment(name: str, config: ModelServingConfig) -> Application:
 
 
 def build_app(config: ServiceConfig) -> Application:
-    translator = model_deployment("Translator", config.translator)
-    generator = model_deployment("Generator", config.generator)
+    translator = model_deployment("Translator", config.translator, config.retry_after_seconds)
+    generator = model_deployment("Generator", config.generator, config.retry_after_seconds)
     ingress: Any = Ingress
-    return ingress.options(max_ongoing_requests=4096, max_queued_requests=config.ingress_max_queued_requests).bind(
-        config, translator, generator
-    )
+    # Every stream passes through the ingress: it drains as long as the slower model does. It
+    # holds no model, so a rollout always starts the new ingress before stopping the old one.
+    models = (config.translator, config.generator)
+    return ingress.options(
+        max_ongoing_requests=4096,
+        max_queued_requests=config.ingress_max_queued_requests,
+        # The proxy's own 503 past that queue (a backstop: the ingress refuses first, past
+        # ingress_max_in_flight, with the documented body) tells clients when to come back.
+        backpressure_config={"status_code": 503, "retry_after_s": config.retry_after_seconds},
+        graceful_shutdown_timeout_s=max(m.graceful_shutdown_timeout_s for m in models),
+        graceful_shutdown_wait_loop_s=min(m.graceful_shutdown_wait_loop_s for m in models),
+        max_surge_percent=100,
+    ).bind(config, translator, generator)
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """Entry point for Serve config files (`import_path: service.app:app_builder`)."""
-    return build_app(ServiceConfig.model_validate(args))
+    """Entry point for Serve config files (`import_path: service.app:app_builder`). The keys of
+    `api_keys_env`, if named, are read here from this process's environment."""
+    return build_app(ServiceConfig.model_validate(args).with_environment_keys(os.environ))

@@ -1,10 +1,12 @@
 """The service's one configuration object. Parsed from a Serve config file's `args` or built by
 `python -m service`; nothing reads the environment at import time."""
 
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.engine.config import EngineConfig
@@ -12,6 +14,12 @@ from service.engine.config import EngineConfig
 # Ray Serve's proxy must start within 5 s by default; on a busy 2-core machine it may not, and is
 # then killed and restarted in a loop. These are set for Ray's processes before `ray.init`.
 RAY_ENVIRONMENT = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+# On Linux, Ray turns a node address of 127.0.0.1 into the machine's own address, and its GCS,
+# raylet, agents and metrics export then listen on every interface. Its local-only mode (the
+# default on macOS and Windows) keeps the node, and all of them, on 127.0.0.1. Ray reads this
+# when it is imported, so it is set before: by `python -m service` and the tests, never by a
+# cluster's nodes.
+LOCAL_RAY_ENVIRONMENT = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 class ModelServingConfig(BaseModel):
@@ -26,23 +34,41 @@ class ModelServingConfig(BaseModel):
     dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
     engine: EngineConfig = EngineConfig()
     num_replicas: int | str = 1  # or "auto" with autoscaling_config
-    autoscaling_config: dict[str, Any] | None = None
+    autoscaling_config: dict[str, Any] | None = None  # Serve's AutoscalingConfig, checked by Serve
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    # Serve's router queue for this model, beyond every replica's max_ongoing_requests (refused at
+    # once past it); None: as deep as one replica's max_ongoing_requests.
+    max_queued_requests: int | None = Field(None, ge=1)
+    health_check_period_s: float = Field(10.0, gt=0)  # how often Serve calls check_health
+    health_check_timeout_s: float = Field(30.0, gt=0)  # a check that takes longer fails
+    # A replica being replaced or scaled in takes no new requests and finishes those it has, for
+    # up to this long (checked every wait_loop_s): make it at least the longest stream.
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0)
+    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
+    # Rollouts start replacements before stopping old replicas, up to this percent of the
+    # replicas at once (0: stop first, as Serve's default).
+    max_surge_percent: int = Field(100, ge=0, le=100)
     torch_threads: int | None = None  # CPU threads for torch in each replica
+    # check_health fails once the engine loop has not come round for this long (a wedged step).
+    heartbeat_timeout_s: float = Field(30.0, gt=0)
+    fault_injection: bool = False  # tests only: allows the replica's inject_fault()
     # A streamed response sends its first token at once, then at most one piece per interval
     # (tokens made meanwhile travel together; Ray Serve LLM's default is 50 ms). 0: every token alone.
     stream_interval_ms: float = Field(50.0, ge=0)
 
     @property
     def max_ongoing_requests(self) -> int:
-        """Serve must pass enough requests for the engine's batch and queue to fill; the engine
-        itself refuses beyond that, fast."""
-        return self.engine.n_slots + self.engine.max_waiting + 8
+        """As many requests as the engine's slots and queue hold (one request a slot, as greedy
+        requests take): Serve sends no more to a replica, so past it the ingress's handle refuses
+        at once (BackPressureError, a 429) instead of a replica refusing after the trip. Beam
+        requests take beam_size slots each; those the engine refuses itself, also with a 429."""
+        return self.engine.n_slots + self.engine.max_waiting
 
 
 class ServiceConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # hide_input_in_errors: a misspelt API key must not be printed back in the validation error.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     translator: ModelServingConfig = ModelServingConfig(
         name="transformer-en-de", checkpoint=DEFAULT_TRANSLATOR, engine=EngineConfig(n_slots=64)
@@ -66,4 +92,37 @@ class ServiceConfig(BaseModel):
     max_attention_sentences: int = Field(4, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
     ingress_max_queued_requests: int = 512
+    ingress_max_in_flight: int = Field(1024, ge=1)  # HTTP requests in the ingress at once; past it, 503 at once
     retry_after_seconds: int = 1
+    # API keys (service/api/auth.py); none: no key needed. SecretStr: never shown by repr or dumps.
+    api_keys: tuple[SecretStr, ...] = ()
+    # The name of an environment variable holding more keys, comma-separated (on a cluster, one set
+    # from a Secret, so that the Serve config holds no key); read by app_builder (service/app.py)
+    # and by `python -m service`.
+    api_keys_env: str | None = None
+    # Origins allowed to call the API from a browser (CORS); none: no CORS headers at all.
+    cors_origins: tuple[str, ...] = ()
+
+    @field_validator("api_keys")
+    @classmethod
+    def _header_safe_keys(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        if not all(re.fullmatch(r"[!-~]+", k.get_secret_value()) for k in keys):
+            raise ValueError("each API key must be printable ASCII without spaces (it travels in an HTTP header)")
+        return keys
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, origins: tuple[str, ...]) -> tuple[str, ...]:
+        if not all(o == "*" or re.fullmatch(r"https?://[^/\s]+", o) for o in origins):
+            raise ValueError('each CORS origin is "*" or scheme://host[:port], without a path')
+        return origins
+
+    def with_environment_keys(self, environ: Mapping[str, str]) -> "ServiceConfig":
+        """This config with the keys of the variable `api_keys_env` added. A named variable that is
+        unset or holds no key is an error: the service would otherwise run without keys."""
+        if self.api_keys_env is None:
+            return self
+        keys = [k.strip() for k in environ.get(self.api_keys_env, "").split(",") if k.strip()]
+        if not keys:
+            raise ValueError(f"api_keys_env: the environment variable {self.api_keys_env} holds no API key")
+        return ServiceConfig.model_validate({**dict(self), "api_keys": [*self.api_keys, *keys], "api_keys_env": None})

@@ -4,9 +4,10 @@ Refusal) and reports health; limits and defaults are the engine's."""
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from ray import serve
@@ -19,11 +20,10 @@ from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFul
 from service.engine.inspector import AttentionInspector
 from service.engine.request import Delta, GenerationParams, Request
 from service.metrics import ServingMetrics
+from service.process import process_stats
 from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
-
-HEARTBEAT_TIMEOUT_S = 30.0
 
 
 def resolve_device(config: ModelServingConfig) -> tuple[str, torch.dtype]:
@@ -118,11 +118,34 @@ class ModelDeployment:
             "batch_size_sum": counters.batch_size_sum,
             "max_batch_size": counters.max_batch_size,
             "finished": dict(counters.finished),
+            **process_stats(),
         }
+
+    def inject_fault(self, kind: Literal["error", "stall"], steps: int = 1, stall_s: float | None = None) -> str:
+        """For fault tests, refused unless the config allows it: each of the next `steps` engine
+        steps raises ("error"), or first sleeps stall_s seconds ("stall"; None: forever, a wedged
+        loop that check_health reports and Serve replaces). Returns this replica's id."""
+        if not self.config.fault_injection:
+            raise PermissionError("fault injection is off for this deployment")
+        runner, execute = self.runner, self.runner.execute
+        remaining = steps
+
+        def faulty(plan: Any) -> Any:
+            nonlocal remaining
+            if remaining > 0:
+                remaining -= 1
+                if kind == "error":
+                    raise RuntimeError("injected fault")
+                threading.Event().wait(stall_s)  # never set: sleeps stall_s, or forever
+            return execute(plan)
+
+        runner.execute = faulty  # type: ignore[method-assign]
+        return str(serve.get_replica_context().replica_id.unique_id)
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the loop died or is wedged in a step."""
         if not self.engine.alive:
             raise RuntimeError("engine loop is not running")
-        if time.monotonic() - self.engine.last_heartbeat > HEARTBEAT_TIMEOUT_S:
-            raise RuntimeError(f"engine loop has not completed a step in {HEARTBEAT_TIMEOUT_S:.0f} s")
+        timeout = self.config.heartbeat_timeout_s
+        if time.monotonic() - self.engine.last_heartbeat > timeout:
+            raise RuntimeError(f"engine loop has not completed a step in {timeout:.0f} s")

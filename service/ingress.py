@@ -3,17 +3,21 @@ their handles. It imports no engine and no tensor library (tests/test_layering.p
 process that only routes HTTP stays small."""
 
 import asyncio
-from collections.abc import AsyncGenerator
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from service.api.app import create_api
 from service.api.backend import Backends
 from service.config import ServiceConfig
 from service.metrics import request_failure_counter
+from service.process import process_stats
 from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
 
 READY_TIMEOUT_S = 2.0
@@ -22,16 +26,37 @@ READY_TIMEOUT_S = 2.0
 class RayBackend:
     """A model deployment reached through its DeploymentHandle, streaming."""
 
-    def __init__(self, handle: DeploymentHandle[Any]) -> None:
-        self.handle = handle
+    def __init__(
+        self, handle: DeploymentHandle[Any], name: str, saturated: dict[str, float], retry_after_s: float, on_failure: Callable[[], None]
+    ) -> None:
+        """name: the model's key in `saturated` (Backends.saturated), marked for retry_after_s when
+        Serve's queue for it refuses; on_failure: counts a stream that broke (its replica died
+        or failed) after it began."""
+        self.handle, self.name, self.saturated, self.retry_after_s, self.on_failure = handle, name, saturated, retry_after_s, on_failure
+        self.streaming = handle.options(stream=True)  # made once: options() builds a new handle
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
-        response: Any = self.handle.options(stream=True).generate.remote(request)
+        """The replica's stream; Serve's own refusals before any item (its queue for the model is
+        full, or no replica is up) become protocol Refusals."""
+        response: Any = None
         try:
+            response = self.streaming.generate.remote(request)  # may refuse at once
             async for item in response:
                 yield item
+            self.saturated.pop(self.name, None)  # one finished: there is room again
+        except BackPressureError:
+            response = None  # never assigned: nothing to cancel (cancel() would raise it again)
+            self.saturated[self.name] = time.monotonic() + self.retry_after_s
+            yield Refusal("overloaded", "the model's queue is full; retry later")
+        except DeploymentUnavailableError:
+            response = None
+            yield Refusal("unavailable", "no replica of the model is available; retry later")
+        except Exception:
+            self.on_failure()  # the client sees the response cut (no [DONE]); the metric says why
+            raise
         finally:
-            response.cancel()  # a no-op once finished; stops the replica's work if the client left
+            if response is not None:
+                response.cancel()  # a no-op once finished; stops the replica's work if the client left
 
     async def attention(self, request: AttentionRequest) -> AttentionMap | Refusal:
         result: AttentionMap | Refusal = await self.handle.attention.remote(request)
@@ -47,10 +72,21 @@ class Ingress:
     """Validates and routes HTTP requests; holds only handles to the model deployments."""
 
     def __init__(self, config: ServiceConfig, translator: DeploymentHandle[Any], generator: DeploymentHandle[Any]) -> None:
-        backends = Backends(RayBackend(translator), RayBackend(generator))
         self.failures = request_failure_counter()
         self.config = config
-        self.api = create_api(config, backends, self.count_failure)
+        saturated: dict[str, float] = {}
+
+        def backend(handle: DeploymentHandle[Any], name: str, model: str) -> RayBackend:
+            def failed() -> None:
+                self.failures.inc(1, tags={"model": model, "reason": "internal"})
+
+            return RayBackend(handle, name, saturated, config.retry_after_seconds, failed)
+
+        backends = Backends(
+            backend(translator, "translator", config.translator.name), backend(generator, "generator", config.generator.name), saturated
+        )
+        # Serve's logger: the access lines land in this replica's log file with Serve's request context.
+        self.api = create_api(config, backends, self.count_failure, logging.getLogger("ray.serve"))
 
     def count_failure(self, path: str, reason: str) -> None:
         """Requests refused by the ingress itself (validation), by the model the route serves."""
@@ -59,3 +95,7 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.api
+
+    async def stats(self) -> dict[str, int]:
+        """This replica's process: memory, descriptors, asyncio tasks (for soak tests)."""
+        return process_stats()

@@ -41,7 +41,7 @@ LATENCY_BUCKETS = [
 # (edges at k + 0.5, midpoint k) keeps rate(sum) / rate(count), the mean batch, exact there.
 BATCH_BUCKETS = [k + 0.5 for k in range(33)] + [48.5, 64.5, 96.5, 128.5, 256.5]
 FAILURE_REASONS = ("validation", "overloaded", "cancelled", "timeout", "internal")
-ENGINE_FAILURES = {"abort": "cancelled", "error": "internal"}
+ENGINE_FAILURES = {"abort": "cancelled", "error": "internal", "timeout": "timeout"}
 
 
 def request_failure_counter() -> Counter:

@@ -8,7 +8,8 @@ A replica's `generate(GenerateRequest)` is a stream that yields exactly one of:
   the request is admitted (its text may be empty). A streamed request gets its text as it is made
   (at most one chunk per stream interval), a request that is not streamed gets the rest in one
   last chunk. Beam search (beam_size > 1) sends all its text in the last chunk, with the
-  `alternatives`. finish_reason "error" ends a request that failed inside the engine.
+  `alternatives`. finish_reason "error" ends a request that failed inside the engine, "timeout"
+  one that passed its deadline in the queue or in total (EngineConfig); either frees its slots.
 
 Closing the stream early cancels the request; it stops using the model within one step.
 """
@@ -16,7 +17,7 @@ Closing the stream early cancels the request; it stops using the model within on
 from dataclasses import dataclass
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 
 # invalid: the request can never be served as asked (HTTP 400); overloaded: the replica's queue is
 # full, retry later (429); unavailable: the replica's engine is not running (503).

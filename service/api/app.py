@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, error handlers, body limit and request ids."""
+"""The FastAPI application: routes, error handlers, body limit, request ids, access log, API
+keys and CORS."""
 
 import logging
 import time
@@ -6,13 +7,15 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import libretranslate_routes, openai_routes, playground_routes, translation_routes
+from service.api.auth import ApiKeyMiddleware
 from service.api.backend import Backends
-from service.api.errors import FailureHook, error_response, install_error_handlers
+from service.api.errors import FailureHook, error_response, install_error_handlers, route_path
 from service.config import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -21,10 +24,12 @@ log = logging.getLogger(__name__)
 class EdgeMiddleware:
     """Refuses bodies over max_bytes with 413 (counting streamed bytes, not trusting Content-Length)
     and tags every response with an X-Request-Id: the request's own (Ray Serve's proxy sets one and
-    echoes it on the response itself), or a new one."""
+    echoes it on the response itself), or a new one. Writes one access line per request to
+    access_log: request id, method, path, status, body bytes read and sent, milliseconds to the
+    response's end; never a query string, a body or a header."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, access_log: logging.Logger) -> None:
+        self.app, self.max_bytes, self.access_log = app, max_bytes, access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -32,10 +37,12 @@ class EdgeMiddleware:
             return
         headers = dict(scope["headers"])
         echoed = b"x-request-id" in headers  # whoever set it puts it on the response
-        request_id = uuid.uuid4().hex.encode()
+        request_id = headers.get(b"x-request-id") or uuid.uuid4().hex.encode()
+        began = time.perf_counter()
         too_large = False
-        received = 0
-        path = scope["path"]
+        received = sent = 0
+        status = 500  # if the app raises before answering, the server answers 500
+        path = route_path(scope)
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             too_large = True
@@ -55,31 +62,90 @@ class EdgeMiddleware:
         started = False
 
         async def tagged_send(message: Message) -> None:
-            nonlocal started
+            nonlocal started, status, sent
             if too_large:
                 return  # the app's own answer to a cut body is replaced by the 413 below
+            sent += len(message.get("body", b""))
             if message["type"] == "http.response.start":
-                started = True
+                started, status = True, message["status"]
                 if not echoed:
                     message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
             await send(message)
 
-        if not too_large:
-            try:
-                await self.app(scope, limited_receive, tagged_send)
-            except Exception:
-                if not too_large:
-                    raise
-        if too_large and not started:
-            response = error_response(path, 413, f"request body over {self.max_bytes} bytes")
-            if not echoed:
-                response.headers["x-request-id"] = request_id.decode()
-            await response(scope, receive, send)
+        try:
+            if not too_large:
+                try:
+                    await self.app(scope, limited_receive, tagged_send)
+                except Exception:
+                    if not too_large:
+                        raise
+            if too_large and not started:
+                response = error_response(path, 413, f"request body over {self.max_bytes} bytes")
+                status, sent = 413, len(response.body)
+                if not echoed:
+                    response.headers["x-request-id"] = request_id.decode()
+                await response(scope, receive, send)
+        finally:
+            milliseconds = (time.perf_counter() - began) * 1000
+            self.access_log.info(
+                "request_id=%s method=%s path=%s status=%d request_bytes=%d response_bytes=%d ms=%.1f",
+                request_id.decode("latin-1"),
+                scope["method"],
+                scope["path"],
+                status,
+                received,
+                sent,
+                milliseconds,
+            )
 
 
-def create_api(config: ServiceConfig, backends: Backends, on_failure: FailureHook | None = None) -> FastAPI:
+HEALTH_PATHS = frozenset({"/healthz", "/health", "/readyz"})
+
+
+MODEL_OF_ROUTE = {"/v1/completions": "generator", "/v1/translate": "translator", "/translate": "translator"}
+
+
+class AdmissionMiddleware:
+    """Refuses at once, before reading anything, with Retry-After and the documented body: past
+    max_in_flight requests at once (streams count until they end), 503; a route whose model's
+    queue refused a request within the last Retry-After and has finished none since
+    (`Backends.saturated`), 429, as the full path would answer. Health checks always pass."""
+
+    def __init__(self, app: ASGIApp, max_in_flight: int, retry_after: int, on_failure: FailureHook | None, backends: Backends) -> None:
+        self.app, self.max_in_flight, self.retry_after, self.on_failure = app, max_in_flight, retry_after, on_failure
+        self.saturated = backends.saturated
+        self.in_flight = 0
+
+    async def refuse(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
+        path = route_path(scope)
+        if self.on_failure is not None:
+            self.on_failure(path, "overloaded")
+        await error_response(path, status, message, retry_after=self.retry_after)(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = route_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] != "http" or path in HEALTH_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_in_flight:
+            await self.refuse(scope, receive, send, 503, "the server is busy; retry later")
+            return
+        if time.monotonic() < self.saturated.get(MODEL_OF_ROUTE.get(path, ""), 0.0):
+            await self.refuse(scope, receive, send, 429, "the model's queue is full; retry later")
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+def create_api(
+    config: ServiceConfig, backends: Backends, on_failure: FailureHook | None = None, access_log: logging.Logger | None = None
+) -> FastAPI:
     """The HTTP application over two model backends (Ray handles in production, anything that
-    streams dicts in a test). Routes read `app.state.config` and `app.state.backends`."""
+    streams dicts in a test). Routes read `app.state.config` and `app.state.backends`. access_log
+    takes one line per request (default: the logger "service.api.access")."""
     api = FastAPI(
         title="Transformer serving",
         version="0.1.0",
@@ -89,7 +155,27 @@ def create_api(config: ServiceConfig, backends: Backends, on_failure: FailureHoo
     api.state.config = config
     api.state.backends = backends
     install_error_handlers(api, on_failure)
-    api.add_middleware(EdgeMiddleware, max_bytes=config.max_body_bytes)
+    # Middleware added later runs earlier: request ids, body limit and access log, then CORS (a
+    # browser's preflight carries no key), then the API keys, before any route reads the body.
+    if config.api_keys:
+        api.add_middleware(ApiKeyMiddleware, keys=[k.get_secret_value() for k in config.api_keys], on_failure=on_failure)
+    if config.cors_origins:  # without it, no CORS header at all: browsers keep other origins out
+        api.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
+    api.add_middleware(EdgeMiddleware, max_bytes=config.max_body_bytes, access_log=access_log or logging.getLogger("service.api.access"))
+    # Added last, so it runs first: a refused request costs no parsing.
+    api.add_middleware(
+        AdmissionMiddleware,
+        max_in_flight=config.ingress_max_in_flight,
+        retry_after=config.retry_after_seconds,
+        on_failure=on_failure,
+        backends=backends,
+    )
     api.include_router(openai_routes.router)
     api.include_router(translation_routes.router)
     api.include_router(libretranslate_routes.router)

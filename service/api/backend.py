@@ -2,7 +2,7 @@
 model deployment, turned into HTTP statuses here and nowhere else."""
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.api.errors import APIError
@@ -23,6 +23,10 @@ class ModelBackend(Protocol):
 class Backends:
     translator: ModelBackend
     generator: ModelBackend
+    # Model ("translator", "generator") -> until when (time.monotonic()) its routes are refused
+    # before the request is read: set when Serve's queue for it refused a request, for the
+    # Retry-After it answered, and dropped as soon as one of its requests finishes.
+    saturated: dict[str, float] = field(default_factory=dict)
 
 
 STATUS_OF_REFUSAL: dict[RefusalKind, int] = {"invalid": 400, "overloaded": 429, "unavailable": 503}
@@ -50,7 +54,15 @@ async def open_stream(backend: ModelBackend, request: GenerateRequest, retry_aft
     if isinstance(first, Refusal):
         await stream.aclose()
         raise refusal_error(first, retry_after)
+    if first.finish_reason == "timeout":
+        await stream.aclose()
+        raise timeout_error(retry_after)
     return _chunks(first, stream)
+
+
+def timeout_error(retry_after: int) -> APIError:
+    """A request that passed the engine's deadline before its answer began: 503, come back later."""
+    return APIError(503, "the request timed out waiting for the model; retry later", None, retry_after, counted=True)
 
 
 async def _chunks(first: Chunk, rest: AsyncGenerator[Chunk | Refusal, None]) -> AsyncGenerator[Chunk, None]:
@@ -63,14 +75,17 @@ async def _chunks(first: Chunk, rest: AsyncGenerator[Chunk | Refusal, None]) -> 
         await rest.aclose()
 
 
-async def final_chunk(stream: AsyncGenerator[Chunk, None], failure: str) -> Chunk:
+async def final_chunk(stream: AsyncGenerator[Chunk, None], failure: str, retry_after: int) -> Chunk:
     """The stream read to its end, as one chunk holding all the text; the stream is closed (its
-    request cancelled) on the way out. A request that failed in the engine is a 500."""
+    request cancelled) on the way out. A request that failed in the engine is a 500, one past its
+    deadline a 503 (nothing has been answered yet)."""
     text = ""
     try:
         async for chunk in stream:
             if chunk.finish_reason == "error":
                 raise APIError(500, failure, counted=True)  # the replica counted it
+            if chunk.finish_reason == "timeout":
+                raise timeout_error(retry_after)
             text += chunk.text
             if chunk.finish_reason is not None:
                 return Chunk(text, chunk.finish_reason, chunk.alternatives, chunk.prompt_tokens, chunk.completion_tokens)

@@ -32,24 +32,32 @@ def libretranslate_body(schema: type[BaseModel]) -> dict[str, Any]:
 Body = TypeVar("Body", bound=BaseModel)
 
 
+def content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+async def libretranslate_fields(request: Request) -> Any:
+    """The body as LibreTranslate reads it: JSON, urlencoded and multipart form bodies alike; a
+    repeated form field `q` is a list. Raises ValueError (or UnicodeDecodeError, or Starlette's
+    HTTPException for a broken multipart body) when it is none of them."""
+    kind = content_type(request)
+    if kind == "multipart/form-data":
+        form = await request.form()
+        data = {k: [v for v in form.getlist(k) if isinstance(v, str)] for k in form}
+        return {k: (v if k == "q" and len(v) > 1 else v[0]) for k, v in data.items() if v}
+    if kind == "application/x-www-form-urlencoded":
+        fields = parse_qs((await request.body()).decode("utf-8"), keep_blank_values=True)
+        return {k: (v if k == "q" and len(v) > 1 else v[0]) for k, v in fields.items()}
+    return json.loads(await request.body(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not allowed")))
+
+
 async def read_libretranslate_body(request: Request, schema: type[Body]) -> Body:
-    """LibreTranslate accepts JSON, urlencoded and multipart form bodies alike; a repeated form
-    field `q` is a list."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    """The body (libretranslate_fields) validated as schema; a bad field is a 400 naming it."""
     try:
-        data: Any
-        if content_type == "multipart/form-data":
-            form = await request.form()
-            data = {k: [v for v in form.getlist(k) if isinstance(v, str)] for k in form}
-            data = {k: (v if k == "q" and len(v) > 1 else v[0]) for k, v in data.items() if v}
-        elif content_type == "application/x-www-form-urlencoded":
-            fields = parse_qs((await request.body()).decode("utf-8"), keep_blank_values=True)
-            data = {k: (v if k == "q" and len(v) > 1 else v[0]) for k, v in fields.items()}
-        else:
-            data = json.loads(await request.body(), parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not allowed")))
+        data = await libretranslate_fields(request)
         if not isinstance(data, dict):
             raise APIError(400, "the body must be a JSON object or a form")
-        if content_type != "application/json" and "alternatives" in data:
+        if content_type(request) != "application/json" and "alternatives" in data:
             data["alternatives"] = int(data["alternatives"])
         return schema.model_validate(data)
     except ValidationError as error:
@@ -120,13 +128,14 @@ async def languages() -> list[dict[str, Any]]:
 
 @router.get("/frontend/settings", tags=["libretranslate"])
 async def frontend_settings(request: Request) -> dict[str, Any]:
-    """What LibreTranslate's clients read before translating: limits and the language pair."""
+    """What LibreTranslate's clients read before translating: limits, the language pair and
+    whether an API key is required."""
     config: ServiceConfig = request.app.state.config
     return {
         "charLimit": config.max_translate_chars,
         "frontendTimeout": 500,
-        "apiKeys": False,
-        "keyRequired": False,
+        "apiKeys": bool(config.api_keys),
+        "keyRequired": bool(config.api_keys),
         "suggestions": False,
         "filesTranslation": False,
         "supportedFilesFormat": [],

@@ -71,7 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         options = body.stream_options
         include_usage, continuous = (options.include_usage, options.continuous_usage_stats) if options else (False, False)
         return StreamingResponse(stream_completion(stream, base, include_usage, continuous), media_type="text/event-stream")
-    last = await final_chunk(stream, "internal error during generation")
+    last = await final_chunk(stream, "internal error during generation", config.retry_after_seconds)
     return {
         **base,
         "choices": [{"index": 0, "text": last.text, "logprobs": None, "finish_reason": last.finish_reason}],

@@ -129,7 +129,7 @@ async def translate_texts(
     async def translate_one(sentence: str) -> Chunk:
         async with window:
             stream = await open_stream(backends.translator, replace(template, text=sentence), config.retry_after_seconds)
-            return await final_chunk(stream, "internal error during translation")
+            return await final_chunk(stream, "internal error during translation", config.retry_after_seconds)
 
     tasks = [asyncio.ensure_future(translate_one(s)) for s in sentences]
     try:

@@ -142,6 +142,8 @@ async def stream_sentences(
             async for chunk in stream:
                 if chunk.finish_reason == "error":
                     raise APIError(500, "internal error during translation", counted=True)
+                if chunk.finish_reason == "timeout":
+                    raise APIError(503, "the translation timed out; retry later", counted=True)
                 piece, prefix = prefix + chunk.text, ""
                 frame: dict[str, Any] = {"text": piece, "finish_reason": None}
                 if chunk.finish_reason is not None:

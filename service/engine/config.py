@@ -17,10 +17,15 @@ class EngineConfig:
     # Output length when a request sets none (None: the runner's, e.g. what the context allows for
     # the generator, twice the source plus ten for the translator); capped by the limit above.
     default_max_tokens: int | None = None
+    # Deadlines from arrival, checked every step: waiting for admission, and until the last token.
+    # Past one, the request ends with reason "timeout" and its slots are freed. The total stays
+    # below Serve's request_timeout_s (deploy/serve_config.yaml) so the engine ends a request first.
+    queue_timeout_s: float | None = 60.0
+    request_timeout_s: float | None = 240.0
 
     def __post_init__(self) -> None:
-        if self.n_slots < 1 or self.max_waiting < 0 or self.max_prefill_tokens < 1:
-            raise ValueError("n_slots and max_prefill_tokens must be at least 1, max_waiting at least 0")
+        if self.n_slots < 1 or self.max_waiting < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("n_slots, max_waiting and max_prefill_tokens must be at least 1 (a request waits before it runs)")
         if (self.max_tokens_cap is not None and self.max_tokens_cap < 1) or (
             self.default_max_tokens is not None and self.default_max_tokens < 1
         ):

@@ -66,7 +66,9 @@ class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
         self.runner = runner
         self.config = config
-        self.scheduler = Scheduler(config.n_slots, config.max_waiting, config.max_prefill_tokens, config.policy)
+        self.scheduler = Scheduler(
+            config.n_slots, config.max_waiting, config.max_prefill_tokens, config.policy, config.queue_timeout_s, config.request_timeout_s
+        )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self.on_step: Callable[[StepReport], None] | None = None  # e.g. metrics; called from the stepping thread
@@ -124,6 +126,7 @@ class Engine:
         report = StepReport()
         plan = self.scheduler.schedule()
         deltas = [self._finish(r, "abort", report) for r in plan.aborted]
+        deltas += [self._finish(r, "timeout", report) for r in plan.timed_out]
         failure: Exception | None = None
         if not plan.is_empty:
             try:

@@ -9,7 +9,7 @@ import torch
 
 from model.sampling import SamplingParams
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 
 
 class RequestStatus(Enum):

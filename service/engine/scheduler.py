@@ -40,6 +40,7 @@ class SchedulerOutput:
     prefill: list[Request] = field(default_factory=list)  # admitted now: prompt / encoder pass, then their first token
     decode: list[Request] = field(default_factory=list)  # already running: one more token each
     aborted: list[Request] = field(default_factory=list)  # removed at the start of this step; their slots are free
+    timed_out: list[Request] = field(default_factory=list)  # past a deadline at the start of this step; slots free
 
     @property
     def is_empty(self) -> bool:
@@ -57,11 +58,22 @@ class Scheduler:
     for comparison) admits only when the running batch has drained.
     """
 
-    def __init__(self, n_slots: int, max_waiting: int, max_prefill_tokens: int, policy: BatchingPolicy = "continuous") -> None:
+    def __init__(
+        self,
+        n_slots: int,
+        max_waiting: int,
+        max_prefill_tokens: int,
+        policy: BatchingPolicy = "continuous",
+        queue_timeout_s: float | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
+        """queue_timeout_s: the longest a request may wait for admission; request_timeout_s: the
+        longest from arrival to its last token. Past either, it ends with reason "timeout"."""
         self.slots = SlotAllocator(n_slots)
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
         self.policy = policy
+        self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self._abort_requested: set[str] = set()
@@ -88,6 +100,7 @@ class Scheduler:
                 self.finish(request, "abort")
                 out.aborted.append(request)
         self._abort_requested.clear()
+        out.timed_out = self._expire(time.monotonic())
         out.decode = list(self.running.values())
         if self.policy == "static" and self.running:
             return out
@@ -105,6 +118,18 @@ class Scheduler:
             out.prefill.append(request)
             budget -= len(request.prompt_ids)
         return out
+
+    def _expire(self, now: float) -> list[Request]:
+        """Ends the requests past their deadline (freeing their slots) and returns them."""
+        expired = []
+        if self.queue_timeout_s is not None or self.request_timeout_s is not None:
+            queue_limit = self.queue_timeout_s if self.queue_timeout_s is not None else float("inf")
+            total_limit = self.request_timeout_s if self.request_timeout_s is not None else float("inf")
+            expired = [r for r in self.waiting if now - r.arrival_time > min(queue_limit, total_limit)]
+            expired += [r for r in self.running.values() if now - r.arrival_time > total_limit]
+        for request in expired:
+            self.finish(request, "timeout")
+        return expired
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Ends the request and frees its slots at once."""

@@ -175,3 +175,19 @@ def test_a_too_long_prompt_is_blamed_on_the_prompt_and_max_tokens_is_capped() ->
     assert capped.value.param == "max_tokens"
     engine.add_request(request("ok", [5, 6], max_tokens=20))
     assert engine.has_work
+
+
+def test_deadlines_end_requests_with_timeout_and_free_their_slots() -> None:
+    """One slot; each step takes 50 ms. The running request passes its 0.3 s total deadline, the
+    one behind it its 0.12 s queue deadline; both end with "timeout", and the slot is free."""
+    engine = Engine(FakeRunner(step_seconds=0.05), EngineConfig(n_slots=1, queue_timeout_s=0.12, request_timeout_s=0.3))
+    engine.add_request(request("running", [10], max_tokens=1000))
+    engine.add_request(request("queued", [20], max_tokens=1000))
+    streams = run_to_end(engine)
+    assert streams["queued"] == [streams["queued"][0]] and streams["queued"][0].finish_reason == "timeout"
+    assert streams["queued"][0].token_ids == []  # it never ran
+    assert streams["running"][-1].finish_reason == "timeout" and len(streams["running"]) > 1
+    assert engine.scheduler.slots.num_free == 1 and not engine.has_work
+    assert engine.counters.finished == {"timeout": 2}
+    engine.add_request(request("after", [30, 2]))  # the engine serves on
+    assert run_to_end(engine)["after"][-1].finish_reason == "stop"

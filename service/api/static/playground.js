@@ -37,8 +37,14 @@ function tokenChip(text) {
   return chip;
 }
 
+// JSON headers, with the API key as a Bearer token when one is filled in.
+function jsonHeaders() {
+  const key = $("api-key").value.trim();
+  return key ? { "Content-Type": "application/json", Authorization: `Bearer ${key}` } : { "Content-Type": "application/json" };
+}
+
 async function postJSON(path, body) {
-  const response = await fetch(path, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+  const response = await fetch(path, { method: "POST", headers: jsonHeaders(), body: JSON.stringify(body) });
   const answer = await response.json();
   if (!response.ok) throw Object.assign(new Error(answer.error ? answer.error.message : response.statusText), { param: answer.error && answer.error.param });
   return answer;
@@ -137,7 +143,7 @@ async function generate() {
   try {
     const response = await fetch("/v1/completions", {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers: jsonHeaders(),
       body: JSON.stringify({
         prompt, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
         temperature: Number($("temperature").value), top_p: Number($("top-p").value),

@@ -1,0 +1,116 @@
+"""The front door under a load generator that is not the bottleneck (Apache's `ab`): requests/s
+and latency of `GET /healthz` and of a refused completion, at 50 and 400 connections.
+
+    python -m benchmarks.front_door [--requests 4000] [--json]
+
+Starts its own Ray and Serve app on 127.0.0.1. To make every completion a refusal, the generator
+gets one slot and a queue of one, its engine loop is stalled with the test-only fault hook, and
+one request holds each of its three places (the slot, the engine's queue, Serve's queue): every
+further completion is refused at the ingress (Serve's backpressure on its handle, answered as a
+429 with Retry-After, then the ingress's own fast refusal of the saturated model) without
+reaching the replica.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
+from service.engine.config import EngineConfig
+
+COMPLETION = {"prompt": "ROMEO:\n", "max_tokens": 8}
+
+
+def refusing_config() -> ServiceConfig:
+    return ServiceConfig(
+        translator=ModelServingConfig(
+            name="transformer-en-de", checkpoint=DEFAULT_TRANSLATOR, engine=EngineConfig(n_slots=4), num_cpus=0.1
+        ),
+        generator=ModelServingConfig(
+            name="transformer-shakespeare",
+            checkpoint=DEFAULT_GENERATOR,
+            engine=EngineConfig(n_slots=1, max_waiting=1, default_max_tokens=16, queue_timeout_s=None, request_timeout_s=None),
+            max_queued_requests=1,
+            num_cpus=0.1,
+            fault_injection=True,
+        ),
+    )
+
+
+def ab(url: str, concurrency: int, requests: int, body: Path | None = None) -> dict[str, Any]:
+    """One `ab` run: requests/s, latency percentiles (ms) and the count of non-2xx answers."""
+    command = ["ab", "-q", "-n", str(requests), "-c", str(concurrency)]
+    if body is not None:
+        command += ["-p", str(body), "-T", "application/json"]
+    output = subprocess.run([*command, url], capture_output=True, text=True, check=True).stdout
+    percentiles = {int(p): float(ms) for p, ms in re.findall(r"^\s+(\d+)%\s+(\d+)", output, re.M)}
+    non_2xx = re.search(r"Non-2xx responses:\s+(\d+)", output)
+    return {
+        "requests_per_s": float(re.search(r"Requests per second:\s+([\d.]+)", output).group(1)),  # type: ignore[union-attr]
+        "p50_ms": percentiles[50],
+        "p99_ms": percentiles[99],
+        "non_2xx": int(non_2xx.group(1)) if non_2xx else 0,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=4000)
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/front_door.json"))
+    args = parser.parse_args()
+    os.environ.update({**RAY_ENVIRONMENT, **LOCAL_RAY_ENVIRONMENT})  # before Ray is imported: everything on 127.0.0.1
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=40)  # errors only
+    port = 8765
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(refusing_config()), name="front-door", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    while httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
+        time.sleep(0.5)
+    generator: Any = serve.get_deployment_handle("Generator", app_name="front-door")
+    generator.inject_fault.remote("stall", 1, 3600.0).result()
+    for _ in range(3):  # one stuck in the stalled step, one in the engine's queue, one in Serve's queue
+        threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=3600), daemon=True).start()
+        time.sleep(1.0)
+    refused = httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=30)
+    assert refused.status_code == 429 and refused.headers["retry-after"], refused.text
+    results: dict[str, Any] = {
+        "refusal": {"status": refused.status_code, "retry_after": refused.headers["retry-after"], "body": refused.json()}
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as body:
+        json.dump(COMPLETION, body)
+        body.flush()
+        for concurrency in (50, 400):
+            results[f"healthz_c{concurrency}"] = ab(f"{url}/healthz", concurrency, args.requests)
+            results[f"refused_completion_c{concurrency}"] = ab(f"{url}/v1/completions", concurrency, args.requests, Path(body.name))
+    for concurrency in (50, 400):
+        results[f"refused_vs_healthz_p50_c{concurrency}"] = round(
+            results[f"refused_completion_c{concurrency}"]["p50_ms"] / max(results[f"healthz_c{concurrency}"]["p50_ms"], 1.0), 2
+        )
+    serve.shutdown()
+    ray.shutdown()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    for name, value in results.items():
+        print(f"{name}: {value}")
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Faults against a real Serve application of their own (route prefix /faults, beside the session's
+app in the same Ray): a failing engine step, deadlines, a wedged loop, a replica killed under load."""
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from service.config import ModelServingConfig, ServiceConfig
+from service.engine.config import EngineConfig
+from tests.service.test_metrics import scrape
+
+APP = "faults"
+FAST_HEALTH = {"fault_injection": True, "heartbeat_timeout_s": 3.0, "health_check_period_s": 1.0, "graceful_shutdown_timeout_s": 1.0}
+FAULT_CONFIG = ServiceConfig(
+    translator=ModelServingConfig(
+        name="faulty-en-de",
+        checkpoint=DEFAULT_TRANSLATOR,
+        engine=EngineConfig(n_slots=8, max_waiting=8, queue_timeout_s=1.0, request_timeout_s=2.0),
+        num_cpus=0.05,
+        torch_threads=1,
+        **FAST_HEALTH,  # type: ignore[arg-type]
+    ),
+    generator=ModelServingConfig(
+        name="faulty-shakespeare",
+        checkpoint=DEFAULT_GENERATOR,
+        engine=EngineConfig(n_slots=8, max_waiting=16, default_max_tokens=16),
+        num_replicas=2,
+        num_cpus=0.05,
+        torch_threads=1,
+        stream_interval_ms=0,
+        **FAST_HEALTH,  # type: ignore[arg-type]
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def faults_url(service_url: str) -> Iterator[str]:
+    from ray import serve
+
+    from service.app import build_app
+
+    serve.run(build_app(FAULT_CONFIG), name=APP, route_prefix=f"/{APP}")
+    url = f"{service_url}/{APP}"
+    wait_until(lambda: httpx.get(f"{url}/readyz", timeout=10).status_code == 200, "fault app ready")
+    yield url
+    serve.delete(APP)
+
+
+def wait_until(condition: Any, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.3)
+
+
+def handle(deployment: str) -> Any:
+    from ray import serve
+
+    return serve.get_deployment_handle(deployment, app_name=APP)
+
+
+def replica_stats(deployment: str, calls: int = 20) -> dict[str, dict[str, Any]]:
+    stats: dict[str, dict[str, Any]] = {}
+    for _ in range(calls):
+        s = handle(deployment).stats.remote().result()
+        stats[s["replica"]] = s
+    return stats
+
+
+def failures(metrics_url: str, model: str, reason: str) -> float:
+    return scrape(metrics_url, "ray_serving_request_failure_total", model=model, reason=reason)
+
+
+def test_a_failing_step_fails_only_its_requests(faults_url: str, metrics_url: str) -> None:
+    body = {"text": "A dog runs on the beach.", "beam_size": 1}
+    expected = httpx.post(f"{faults_url}/v1/translate", json=body, timeout=60).json()["translations"][0]["text"]
+    before = failures(metrics_url, "faulty-en-de", "internal")
+    handle("Translator").inject_fault.remote("error", 1).result()
+    failed = httpx.post(f"{faults_url}/v1/translate", json=body, timeout=60)
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "internal_error"
+    after = httpx.post(f"{faults_url}/v1/translate", json=body, timeout=60)  # the loop goes on
+    assert after.status_code == 200 and after.json()["translations"][0]["text"] == expected
+    wait_until(lambda: failures(metrics_url, "faulty-en-de", "internal") > before, "the failure counted")
+    (stats,) = replica_stats("Translator", 3).values()
+    assert stats["running"] == 0 and stats["free_slots"] == 8
+
+
+def test_deadlines_end_requests_with_a_clear_status_and_free_their_slots(faults_url: str) -> None:
+    """A 3 s stall of the engine loop: the request it held passes its 2 s total deadline, the one
+    that arrived meanwhile its 1 s queue deadline."""
+    handle("Translator").inject_fault.remote("stall", 1, 3.0).result()
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            running = asyncio.ensure_future(http.post(f"{faults_url}/v1/translate", json={"text": "A man rides a bike.", "beam_size": 1}))
+            await asyncio.sleep(0.5)
+            queued = await http.post(f"{faults_url}/v1/translate", json={"text": "Two dogs play.", "beam_size": 1})
+            return await running, queued
+
+    running, queued = asyncio.run(main())
+    for response in (running, queued):
+        assert response.status_code == 503, response.text
+        assert response.headers["retry-after"] == "1" and "timed out" in response.json()["error"]["message"]
+    (stats,) = replica_stats("Translator", 3).values()
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["free_slots"] == 8
+    assert stats["finished"].get("timeout", 0) >= 2
+    ok = httpx.post(f"{faults_url}/v1/translate", json={"text": "A cat sleeps.", "beam_size": 1}, timeout=60)
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("where", ["queued", "prefill"])
+def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(faults_url: str, metrics_url: str, where: str) -> None:
+    """A 0.8 s stall holds the step that admits the first request; the second arrives meanwhile
+    and waits. The client of one of them leaves during the stall: "prefill" the admitted one,
+    "queued" the waiting one. The other's translation is the same as alone; nothing is left
+    running, waiting or holding cache rows (the replica's stats and its gauges)."""
+    first, second = {"text": "A man rides a bike.", "beam_size": 1}, {"text": "Two dogs play in the park.", "beam_size": 1}
+    alone = {
+        b["text"]: httpx.post(f"{faults_url}/v1/translate", json=b, timeout=60).json()["translations"][0]["text"] for b in (first, second)
+    }
+    (before,) = replica_stats("Translator", 3).values()
+    handle("Translator").inject_fault.remote("stall", 1, 0.8).result()
+
+    async def main() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as http, httpx.AsyncClient(timeout=0.4) as leaving:
+            cancelled, kept = (first, second) if where == "prefill" else (second, first)
+            if where == "prefill":
+                left = asyncio.ensure_future(leaving.post(f"{faults_url}/v1/translate", json=cancelled))
+                await asyncio.sleep(0.1)
+                stays = asyncio.ensure_future(http.post(f"{faults_url}/v1/translate", json=kept))
+            else:
+                stays = asyncio.ensure_future(http.post(f"{faults_url}/v1/translate", json=kept))
+                await asyncio.sleep(0.1)
+                left = asyncio.ensure_future(leaving.post(f"{faults_url}/v1/translate", json=cancelled))
+            with pytest.raises(httpx.TimeoutException):
+                await left  # the client gives up after 0.4 s and closes the connection
+            return await stays
+
+    kept_response = asyncio.run(main())
+    kept_text = second["text"] if where == "prefill" else first["text"]
+    assert kept_response.status_code == 200 and kept_response.json()["translations"][0]["text"] == alone[kept_text]
+
+    def idle() -> bool:
+        (now,) = replica_stats("Translator", 3).values()
+        return (
+            now["running"] == 0
+            and now["waiting"] == 0
+            and now["free_slots"] == 8
+            and now["finished"].get("abort", 0) > before["finished"].get("abort", 0)
+        )
+
+    wait_until(idle, "the cancelled request's slot freed")
+    gauges = ("ray_serving_num_requests_running", "ray_serving_num_requests_waiting", "ray_serving_kv_cache_usage_ratio")
+    wait_until(lambda: all(scrape(metrics_url, g, model="faulty-en-de") == 0 for g in gauges), "gauges back to 0")
+
+
+def test_a_wedged_engine_loop_fails_health_checks_and_is_replaced(faults_url: str) -> None:
+    (old,) = replica_stats("Translator", 3)
+    handle("Translator").inject_fault.remote("stall", 1, None).result()  # the next step never returns
+    stuck = httpx.post(f"{faults_url}/v1/translate", json={"text": "A dog runs.", "beam_size": 1}, timeout=120)
+    assert stuck.status_code in (500, 503)  # its replica was replaced under it
+
+    def replaced() -> bool:
+        try:
+            return list(replica_stats("Translator", 3)) not in ([old], [])
+        except Exception:
+            return False
+
+    wait_until(replaced, "a new translator replica")
+    wait_until(lambda: httpx.get(f"{faults_url}/readyz", timeout=10).status_code == 200, "ready again")
+    ok = httpx.post(f"{faults_url}/v1/translate", json={"text": "A cat sleeps.", "beam_size": 1}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["translations"][0]["text"]
+
+
+def read_stream(url: str, index: int) -> tuple[bool, str]:
+    """(ended with [DONE], text) of one streamed completion; a cut connection is not an error here."""
+    body = {"prompt": "ROMEO:\n", "max_tokens": 200, "temperature": 0.8, "seed": index, "stream": True}
+    text, done = "", False
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    frame = json.loads(line[len("data: ") :])
+                    text += "".join(c["text"] for c in frame.get("choices", []))
+    except httpx.HTTPError:
+        pass  # cut mid-stream: the client can tell, since [DONE] never came
+    return done, text
+
+
+def test_a_replica_killed_under_load_cuts_only_its_streams_and_is_replaced(faults_url: str, metrics_url: str) -> None:
+    stats = replica_stats("Generator")
+    assert len(stats) == 2
+    victim_id, victim = next(iter(stats.items()))
+    before = failures(metrics_url, "faulty-shakespeare", "internal")
+
+    async def main() -> list[tuple[bool, str]]:
+        loop = asyncio.get_running_loop()
+        streams = [loop.run_in_executor(None, read_stream, faults_url, i) for i in range(12)]
+        await asyncio.sleep(1.0)  # streams are under way on both replicas
+        os.kill(victim["pid"], signal.SIGKILL)
+        return list(await asyncio.gather(*streams))
+
+    results = asyncio.run(main())
+    completed = [text for done, text in results if done]
+    cut = [text for done, text in results if not done]
+    assert cut, "the killed replica's streams end without [DONE]"
+    assert completed, "the surviving replica's streams finish"
+    survivors = httpx.post(f"{faults_url}/v1/completions", json={"prompt": "KING:", "max_tokens": 8}, timeout=60)
+    assert survivors.status_code == 200
+    wait_until(lambda: failures(metrics_url, "faulty-shakespeare", "internal") > before, "cut streams counted")
+
+    def replaced() -> bool:
+        current = replica_stats("Generator")
+        return len(current) == 2 and victim_id not in current
+
+    wait_until(replaced, "a replacement generator replica")
+    new_ids = set(replica_stats("Generator")) - set(stats)
+    assert new_ids
+    served = [httpx.post(f"{faults_url}/v1/completions", json={"prompt": "KING:", "max_tokens": 4}, timeout=60) for _ in range(10)]
+    assert all(r.status_code == 200 for r in served)
+    assert any(s["finished"] for s in replica_stats("Generator").values() if s["replica"] in new_ids)  # the replacement served

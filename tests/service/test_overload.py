@@ -1,0 +1,81 @@
+"""Overload and oversized bodies against the real service: refusals are fast, always carry
+Retry-After and the documented body, accepted work is unharmed, and the service serves normally
+right after; bodies over the limit get 413 before they are read whole."""
+
+import asyncio
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+
+from tests.service.conftest import TEST_CONFIG
+
+PROMPT = {"prompt": "ROMEO:\n", "max_tokens": 8, "temperature": 0}
+
+
+def capacity() -> int:
+    """Requests the generator deployment holds at once: slots and queue of every replica."""
+    g = TEST_CONFIG.generator
+    return int(g.num_replicas) * (g.engine.n_slots + g.engine.max_waiting)
+
+
+def test_three_times_capacity_beside_a_healthz_burst(service_url: str) -> None:
+    expected = httpx.post(f"{service_url}/v1/completions", json=PROMPT, timeout=60).json()["choices"][0]["text"]
+    burst = 3 * capacity()
+
+    async def timed(http: httpx.AsyncClient, method: str, path: str, **kwargs: object) -> tuple[httpx.Response, float]:
+        started = time.perf_counter()
+        response = await http.request(method, path, **kwargs)  # type: ignore[arg-type]
+        return response, time.perf_counter() - started
+
+    async def main() -> tuple[list[tuple[httpx.Response, float]], list[tuple[httpx.Response, float]]]:
+        limits = httpx.Limits(max_connections=2 * burst + 10)
+        async with httpx.AsyncClient(base_url=service_url, timeout=300, limits=limits) as http:
+            completions = [timed(http, "POST", "/v1/completions", json=PROMPT) for _ in range(burst)]
+            health = [timed(http, "GET", "/healthz") for _ in range(burst)]
+            results = await asyncio.gather(*completions, *health)
+            return results[:burst], results[burst:]
+
+    completions, health = asyncio.run(main())
+    refused = [(r, s) for r, s in completions if r.status_code != 200]
+    accepted = [(r, s) for r, s in completions if r.status_code == 200]
+    assert all(r.status_code == 200 for r, _ in health)
+    assert refused, f"{burst} simultaneous completions against room for {capacity()} must see refusals"
+    for response, _ in refused:
+        assert response.status_code in (429, 503), response.text
+        assert response.headers.get("retry-after") == str(TEST_CONFIG.retry_after_seconds)
+        assert response.json()["error"]["type"] in ("rate_limit_error", "service_unavailable")
+    assert accepted and all(r.json()["choices"][0]["text"] == expected for r, _ in accepted)
+    after = httpx.post(f"{service_url}/v1/completions", json=PROMPT, timeout=60)
+    assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected
+    refusal_p50 = sorted(s for _, s in refused)[len(refused) // 2]
+    health_p50 = sorted(s for _, s in health)[len(health) // 2]
+    print(f"burst {burst}: {len(accepted)} accepted, {len(refused)} refused; p50 refusal {refusal_p50:.3f} s, /healthz {health_p50:.3f} s")
+
+
+def send_partial_body(url: str, headers: str, body: bytes) -> bytes:
+    """Sends the request line, headers and only part of a body, then reads what the server says
+    without sending the rest."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as connection:
+        connection.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n{headers}\r\n".encode() + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = connection.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+def test_ten_megabyte_bodies_get_413_before_they_are_read_whole(service_url: str) -> None:
+    ten_mb = 10 * 1024 * 1024
+    declared = send_partial_body(service_url, f"Content-Type: application/json\r\nContent-Length: {ten_mb}\r\n", b"")
+    assert declared.startswith(b"HTTP/1.1 413"), declared[:200]
+    # No Content-Length: chunked, cut off after 1.5 MB of a 10 MB body; the 413 comes anyway.
+    chunk = b"x" * (512 * 1024)
+    chunked = b"".join(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n" for _ in range(3))
+    streamed = send_partial_body(service_url, "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n", chunked)
+    assert streamed.startswith(b"HTTP/1.1 413"), streamed[:200]
+    assert httpx.get(f"{service_url}/healthz").status_code == 200
