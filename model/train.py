@@ -2,18 +2,25 @@
 
     python -m model.train translator --out runs/translator --minutes 90
     python -m model.train generator --out runs/generator --minutes 90
+    python -m model.train translator --init-from model/checkpoints/translator-en-de --out runs/translator-2 \
+        --lr 3e-4 --warmup 100 --schedule warmup-constant-linear --decay-start 0.35 --max-steps 3000
 
 Resumes from <out>/state.pt when it exists; keeps the best checkpoint by validation score in
-<out>/best (BLEU for the translator, nats per character for the generator).
+<out>/best (BLEU for the translator, nats per character for the generator), and with
+--keep-snapshots N the last N validated steps as <out>/step-NNNNNN (for model.average).
+--init-from starts from a checkpoint folder's config, weights and tokenizer with a fresh optimizer;
+training.json records that folder (path, SHA-256 of its weights, its command) and the schedule.
 """
 
 import argparse
 import json
 import math
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model.checkpoint import count_parameters, save_checkpoint
-from model.config import GeneratorConfig, TranslatorConfig
+from model.checkpoint import Model, build_model, count_parameters, load_checkpoint, save_checkpoint
+from model.config import GeneratorConfig, ModelConfig, TranslatorConfig
 from model.data import (
     SHARED_DATA,
     collate_pairs,
@@ -41,6 +48,8 @@ from model.reference_decoding import greedy_translate_uncached
 from model.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from model.translator import Translator
 
+SCHEDULES = ["inverse-sqrt", "cosine", "warmup-constant-linear"]
+
 
 def inverse_sqrt_schedule(warmup: int) -> Callable[[int], float]:
     """Linear warm-up, then decay as 1/sqrt(step) (Vaswani et al.)."""
@@ -55,6 +64,70 @@ def cosine_schedule(warmup: int, total: int, floor: float = 0.1) -> Callable[[in
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def warmup_constant_linear_schedule(warmup: int, total: int, decay_start: float) -> Callable[[int], float]:
+    """Linear warm-up, constant until decay_start * total steps, then linear decay reaching 0 at total."""
+    decay_from = max(warmup, round(decay_start * total))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if step < decay_from:
+            return 1.0
+        return max(0.0, (total - step) / max(1, total - decay_from))
+
+    return factor
+
+
+def make_schedule(args: argparse.Namespace) -> Callable[[int], float]:
+    if args.schedule == "inverse-sqrt":
+        return inverse_sqrt_schedule(args.warmup)
+    if args.schedule == "cosine":
+        return cosine_schedule(args.warmup, args.max_steps)
+    return warmup_constant_linear_schedule(args.warmup, args.max_steps, args.decay_start)
+
+
+def schedule_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The learning-rate schedule as training.json records it."""
+    info: dict[str, Any] = {"name": args.schedule, "peak_lr": args.lr, "warmup": args.warmup, "max_steps": args.max_steps}
+    if args.schedule == "cosine":
+        info["floor"] = 0.1
+    if args.schedule == "warmup-constant-linear":
+        info["decay_start"] = args.decay_start
+    return info
+
+
+def init_from_info(directory: Path) -> dict[str, Any]:
+    """The checkpoint a run started from: its path as given, the SHA-256 of its weights, its training
+    command, and (for a chain of continued runs) where it started from in turn."""
+    parent = json.loads((directory / "training.json").read_text())
+    info: dict[str, Any] = {
+        "path": str(directory),
+        "model_sha256": file_sha256(directory / "model.safetensors"),
+        "command": parent["command"],
+    }
+    if "init_from" in parent:
+        info["init_from"] = parent["init_from"]
+    return info
+
+
+def initial_model(
+    args: argparse.Namespace, config_type: type[ModelConfig], train_tokenizer: Callable[[], Tokenizer]
+) -> tuple[Model, Tokenizer]:
+    """The model and tokenizer to train: the --init-from folder's (its config.json, float32 weights,
+    tokenizer), or a new tokenizer and a freshly initialised preset model. Seeds torch with --seed."""
+    if args.init_from:
+        model, tokenizer = load_checkpoint(Path(args.init_from))
+        if not isinstance(model.config, config_type):
+            raise SystemExit(f"--init-from {args.init_from} holds a {type(model.config).__name__}, not a {config_type.__name__}")
+        torch.manual_seed(args.seed)
+        return model, tokenizer
+    tokenizer = train_tokenizer()
+    config = config_type.preset(args.preset)
+    assert config.vocab_size == tokenizer.vocab_size
+    torch.manual_seed(args.seed)
+    return build_model(config), tokenizer
 
 
 def pick_device() -> torch.device:
@@ -78,23 +151,27 @@ def validate_translator(model: Translator, tokenizer: Tokenizer, sources: list[s
 
 
 class Trainer:
-    """The shared loop: steps, schedule, clipping, periodic validation, best-keeping, resume."""
+    """The shared loop: steps, schedule, clipping, periodic validation, best-keeping, snapshots, resume."""
 
-    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, tokenizer: Tokenizer, schedule: Callable[[int], float]) -> None:
+    def __init__(self, args: argparse.Namespace, model: Model, tokenizer: Tokenizer) -> None:
         self.args = args
         self.device = pick_device()
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_schedule(args))
         self.out = Path(args.out)
         self.step = 0
         self.elapsed = 0.0  # training seconds over all runs (resumes included)
         self.best: float | None = None
         self.history: list[dict[str, float]] = []
+        # The SHA-256 of the --init-from weights ("" for none): a resume must start from the same folder.
+        self.init_from_sha256 = file_sha256(Path(args.init_from) / "model.safetensors") if args.init_from else ""
         state_path = self.out / "state.pt"
         if state_path.exists():
             state = torch.load(state_path, map_location=self.device, weights_only=True)
+            if state.get("init_from_sha256", "") != self.init_from_sha256:
+                raise SystemExit(f"{state_path} was trained from other --init-from weights (or none); pass the run's own --init-from")
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -113,9 +190,16 @@ class Trainer:
             "elapsed": self.elapsed,
             "best": self.best,
             "history": json.dumps(self.history),
+            "init_from_sha256": self.init_from_sha256,
         }
         torch.save(state, self.out / "state.tmp")
         (self.out / "state.tmp").replace(self.out / "state.pt")
+
+    def save_snapshot(self, training: dict[str, Any]) -> None:
+        """<out>/step-NNNNNN for this step; only the newest --keep-snapshots are kept."""
+        save_checkpoint(self.out / f"step-{self.step:06d}", self.model, self.tokenizer, training)
+        for old in sorted(self.out.glob("step-*"))[: -self.args.keep_snapshots]:
+            shutil.rmtree(old)
 
     def run(
         self,
@@ -153,14 +237,31 @@ class Trainer:
                 print(f"\nstep {self.step} val {score:.4f} {'(best)' if improved else ''}", flush=True)
                 if improved:
                     self.best = score
-                    save_checkpoint(self.out / "best", self.model, self.tokenizer, training_info())  # type: ignore[arg-type]
+                    save_checkpoint(self.out / "best", self.model, self.tokenizer, training_info())
+                if args.keep_snapshots:
+                    self.save_snapshot(training_info())
                 self.save_state()
         bar.close()
 
 
+@dataclass
+class Job:
+    """One model's training: its trainer and what the loop needs (built apart from running, for tests)."""
+
+    trainer: Trainer
+    next_batch: Callable[[int], tuple[torch.Tensor, ...]]
+    loss_of: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, int]]
+    validate: Callable[[], float]
+    higher_is_better: bool
+    info: Callable[[], dict[str, Any]]
+
+    def run(self) -> None:
+        self.trainer.run(self.next_batch, self.loss_of, self.validate, self.higher_is_better, self.info)
+
+
 def common_info(args: argparse.Namespace, trainer: Trainer, data_files: list[Path]) -> dict[str, Any]:
-    return {
-        "command": "python -m model.train " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    info: dict[str, Any] = {
+        "command": "python -m model.train " + " ".join(shlex.quote(a) for a in args.argv),
         "data": {str(p.relative_to(p.parents[1])): file_sha256(p) for p in data_files},
         "steps": trainer.step,
         "training_minutes": round(trainer.elapsed / 60, 1),
@@ -168,35 +269,39 @@ def common_info(args: argparse.Namespace, trainer: Trainer, data_files: list[Pat
         "torch_threads": torch.get_num_threads(),
         "parameters": count_parameters(trainer.model),
         "seed": args.seed,
+        "schedule": schedule_info(args),
         "validation_history": trainer.history,
     }
+    if args.init_from:
+        info["init_from"] = init_from_info(Path(args.init_from))
+    return info
 
 
-def train_translator(args: argparse.Namespace) -> None:
+def translator_job(args: argparse.Namespace) -> Job:
     data = Path(args.data) / "multi30k"
     files = [data / f"{split}.{lang}.gz" for split in ("train", "val") for lang in ("en", "de")]
     train_en, train_de, val_en, val_de = (read_lines(f) for f in files)
-    tokenizer = Tokenizer.train(train_en + train_de, args.vocab_size)
-    config = TranslatorConfig.preset(args.preset)
-    assert config.vocab_size == tokenizer.vocab_size
-    torch.manual_seed(args.seed)
-    model = Translator(config)
-    trainer = Trainer(args, model, tokenizer, inverse_sqrt_schedule(args.warmup))
-    pairs = encode_pairs(tokenizer, train_en, train_de, config.max_len - 1)
-    epoch_batches: dict[int, list[list[int]]] = {}
+    model, tokenizer = initial_model(args, TranslatorConfig, lambda: Tokenizer.train(train_en + train_de, args.vocab_size))
+    assert isinstance(model, Translator)
+    trainer = Trainer(args, model, tokenizer)
+    pairs = encode_pairs(tokenizer, train_en, train_de, model.config.max_len - 1)
+    epoch_batches: dict[int, list[list[int]]] = {}  # the latest epoch's batches only
+    epoch_sizes: dict[int, int] = {}  # batches per epoch, so a step need not lay out the epochs before it again
+
+    def batches_of(epoch: int) -> list[list[int]]:
+        if epoch not in epoch_batches:
+            epoch_batches.clear()
+            epoch_batches[epoch] = token_budget_batches(pairs, args.batch_tokens, args.seed + epoch)
+            epoch_sizes[epoch] = len(epoch_batches[epoch])
+        return epoch_batches[epoch]
 
     def next_batch(step: int) -> tuple[torch.Tensor, ...]:
         # Deterministic in the step: resuming replays the same batch order.
         epoch, index = 0, step
-        while True:
-            if epoch not in epoch_batches:
-                epoch_batches.clear()
-                epoch_batches[epoch] = token_budget_batches(pairs, args.batch_tokens, args.seed + epoch)
-            if index < len(epoch_batches[epoch]):
-                break
-            index -= len(epoch_batches[epoch])
+        while index >= (epoch_sizes[epoch] if epoch in epoch_sizes else len(batches_of(epoch))):
+            index -= epoch_sizes[epoch]
             epoch += 1
-        b = collate_pairs([pairs[i] for i in epoch_batches[epoch][index]])
+        b = collate_pairs([pairs[i] for i in batches_of(epoch)[index]])
         return b.src, b.tgt_in, b.tgt_out
 
     def loss_of(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
@@ -205,26 +310,30 @@ def train_translator(args: argparse.Namespace) -> None:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=PAD_ID, label_smoothing=args.label_smoothing)
         return loss, int((tgt_out != PAD_ID).sum())
 
+    def validate() -> float:
+        return validate_translator(model, tokenizer, val_en, val_de, trainer.device)
+
     def info() -> dict[str, Any]:
         return {**common_info(args, trainer, files), "best_val_bleu_greedy": trainer.best}
 
-    trainer.run(next_batch, loss_of, lambda: validate_translator(model, tokenizer, val_en, val_de, trainer.device), True, info)
+    return Job(trainer, next_batch, loss_of, validate, True, info)
 
 
-def train_generator(args: argparse.Namespace) -> None:
+def generator_job(args: argparse.Namespace) -> Job:
     path = Path(args.data) / "tinyshakespeare" / "train.txt"
     train_text, val_text = split_shakespeare(path.read_text(encoding="utf-8"))
-    paragraphs = [p + "\n\n" for p in train_text.split("\n\n")]
-    tokenizer = Tokenizer.train(paragraphs, args.vocab_size, keep_layout=True)
-    config = GeneratorConfig.preset(args.preset)
-    assert config.vocab_size == tokenizer.vocab_size
-    torch.manual_seed(args.seed)
-    model = Generator(config)
-    trainer = Trainer(args, model, tokenizer, cosine_schedule(args.warmup, args.max_steps))
+
+    def train_tokenizer() -> Tokenizer:
+        paragraphs = [p + "\n\n" for p in train_text.split("\n\n")]
+        return Tokenizer.train(paragraphs, args.vocab_size, keep_layout=True)
+
+    model, tokenizer = initial_model(args, GeneratorConfig, train_tokenizer)
+    assert isinstance(model, Generator)
+    trainer = Trainer(args, model, tokenizer)
     train_ids = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
 
     def next_batch(step: int) -> tuple[torch.Tensor, ...]:
-        return lm_windows(train_ids, config.max_len, args.batch_size, torch.Generator().manual_seed(args.seed * 1_000_003 + step))
+        return lm_windows(train_ids, model.config.max_len, args.batch_size, torch.Generator().manual_seed(args.seed * 1_000_003 + step))
 
     def loss_of(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
         x, y = batch
@@ -240,20 +349,25 @@ def train_generator(args: argparse.Namespace) -> None:
     def info() -> dict[str, Any]:
         return {**common_info(args, trainer, [path]), "validation": "last 10% of train.txt", "best_val_nats_per_char": trainer.best}
 
-    trainer.run(next_batch, loss_of, validate, False, info)
+    return Job(trainer, next_batch, loss_of, validate, False, info)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (sys.argv[1:] by default) with each model's defaults filled in; args.argv keeps it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", choices=["translator", "generator"])
     parser.add_argument("--data", default=str(SHARED_DATA), help="folder holding multi30k/ and tinyshakespeare/")
     parser.add_argument("--out", required=True, help="run folder: state.pt (resume) and best/ (checkpoint)")
+    parser.add_argument("--init-from", default=None, help="checkpoint folder to continue from (config, weights, tokenizer)")
     parser.add_argument("--preset", default=None)
     parser.add_argument("--minutes", type=float, default=60.0, help="stop after this much wall time")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--eval-every", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--keep-snapshots", type=int, default=0, help="keep the last N validated steps as <out>/step-NNNNNN")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--schedule", choices=SCHEDULES, default=None, help="inverse-sqrt (translator) or cosine (generator) by default")
     parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--decay-start", type=float, default=0.35, help="warmup-constant-linear: decay from this fraction of --max-steps")
     parser.add_argument("--weight-decay", type=float, default=None)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--label-smoothing", type=float, default=0.1)
@@ -263,11 +377,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--progress-seconds", type=float, default=1.0, help="progress bar refresh interval")
-    args = parser.parse_args()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if args.init_from and (args.preset or args.vocab_size):
+        parser.error("--init-from takes the model's config and tokenizer from its folder; drop --preset and --vocab-size")
     translator = args.model == "translator"
     defaults = {
         "preset": "multi30k-small" if translator else "shakespeare-small",
         "max_steps": 100_000 if translator else 4000,
+        "schedule": "inverse-sqrt" if translator else "cosine",
         "warmup": 400 if translator else 100,
         "weight_decay": 0.01 if translator else 0.1,
         "vocab_size": 8000 if translator else 2000,
@@ -275,9 +394,14 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    (train_translator if translator else train_generator)(args)
+    (translator_job if args.model == "translator" else generator_job)(args).run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,157 @@
+"""Continued training (--init-from) and checkpoint averaging, on the shipped checkpoints and a few
+lines of made-up data (one training step on the CPU)."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from model import train
+from model.average import average_checkpoints
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint, save_checkpoint
+from model.data import collate_pairs, encode_pairs, file_sha256, token_budget_batches
+from model.generator import Generator
+from model.tokenizer import PAD_ID
+from model.train import Job, generator_job, parse_args, translator_job, warmup_constant_linear_schedule
+from model.translate import translate_sentences
+from model.translator import Translator
+
+ENGLISH = ["A man is riding a bike.", "Two dogs play in the snow.", "A woman reads a book in the park.", "Children are running."]
+GERMAN = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest im Park ein Buch.", "Kinder rennen."]
+PLAY = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    multi30k = tmp_path / "data" / "multi30k"
+    multi30k.mkdir(parents=True)
+    for split, copies in (("train", 8), ("val", 1)):
+        for lang, lines in (("en", ENGLISH), ("de", GERMAN)):
+            with gzip.open(multi30k / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
+                f.write("\n".join(lines * copies) + "\n")
+    (tmp_path / "data" / "tinyshakespeare").mkdir()
+    (tmp_path / "data" / "tinyshakespeare" / "train.txt").write_text(PLAY * 40, encoding="utf-8")
+    return tmp_path / "data"
+
+
+def continued_job(model: str, shipped: Path, data: Path, out: Path) -> Job:
+    argv = [model, "--init-from", str(shipped), "--data", str(data), "--out", str(out), "--max-steps", "1", "--eval-every", "1"]
+    argv += ["--schedule", "warmup-constant-linear", "--lr", "3e-4", "--warmup", "1", "--keep-snapshots", "1"]
+    argv += ["--batch-tokens", "200"] if model == "translator" else ["--batch-size", "2"]
+    args = parse_args(argv)
+    return (translator_job if model == "translator" else generator_job)(args)
+
+
+def loss_on(net: Translator | Generator, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The training loss of net on batch, computed here rather than by the trainer (train mode, as in a step)."""
+    net.train()
+    if isinstance(net, Translator):
+        src, tgt_in, tgt_out = batch
+        logits = net(src, tgt_in)
+        return F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD_ID, label_smoothing=0.1)
+    x, y = batch
+    return F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize(("model", "shipped"), [("translator", DEFAULT_TRANSLATOR), ("generator", DEFAULT_GENERATOR)])
+def test_init_from_starts_from_exactly_the_shipped_weights(model: str, shipped: Path, data: Path, tmp_path: Path) -> None:
+    job = continued_job(model, shipped, data, tmp_path / "run")
+    reference, tokenizer = load_checkpoint(shipped)
+    assert job.trainer.tokenizer.model_proto == tokenizer.model_proto  # the folder's tokenizer, not a new one
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(job.trainer.model.state_dict()[name], tensor), name
+
+    batch = job.next_batch(0)
+    torch.manual_seed(7)
+    expected = loss_on(reference, batch)
+    torch.manual_seed(7)  # the same dropout masks
+    job.run()  # one step; the step's loss is in the validation history
+    first = job.trainer.history[0]
+    assert first["step"] == 1
+    assert first["loss"] == round(expected.item(), 4)
+    assert expected.item() < (3.0 if model == "translator" else 4.5)  # trained weights, not a fresh init (about 9 and 7.6)
+
+    training = json.loads((tmp_path / "run" / "best" / "training.json").read_text())
+    assert training["init_from"]["path"] == str(shipped)
+    assert training["init_from"]["model_sha256"] == file_sha256(shipped / "model.safetensors")
+    assert training["init_from"]["command"] == json.loads((shipped / "training.json").read_text())["command"]
+    assert training["schedule"] == {"name": "warmup-constant-linear", "peak_lr": 3e-4, "warmup": 1, "max_steps": 1, "decay_start": 0.35}
+    assert (tmp_path / "run" / "step-000001" / "model.safetensors").exists()
+
+
+def test_resume_continues_the_run_and_refuses_other_init_from_weights(data: Path, tmp_path: Path) -> None:
+    continued_job("generator", DEFAULT_GENERATOR, data, tmp_path / "run").run()
+    assert continued_job("generator", DEFAULT_GENERATOR, data, tmp_path / "run").trainer.step == 1
+    model, tokenizer = load_checkpoint(DEFAULT_GENERATOR)
+    save_checkpoint(tmp_path / "float32-copy", model, tokenizer, {})  # the same values, other bytes
+    with pytest.raises(SystemExit, match="init-from"):
+        continued_job("generator", tmp_path / "float32-copy", data, tmp_path / "run")
+
+
+def test_init_from_refuses_the_other_architecture(data: Path, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="GeneratorConfig"):
+        continued_job("translator", DEFAULT_GENERATOR, data, tmp_path / "run")
+
+
+def test_translator_batches_follow_each_epoch_layout_laid_out_once(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seeds: list[int] = []
+
+    def recorded(pairs: list[tuple[list[int], list[int]]], max_tokens: int, seed: int) -> list[list[int]]:
+        seeds.append(seed)
+        return token_budget_batches(pairs, max_tokens, seed)
+
+    monkeypatch.setattr(train, "token_budget_batches", recorded)
+    job = continued_job("translator", DEFAULT_TRANSLATOR, data, tmp_path / "run")
+    english, german = ENGLISH * 8, GERMAN * 8
+    pairs = encode_pairs(job.trainer.tokenizer, english, german, 255)
+    layouts = [token_budget_batches(pairs, 200, 1234 + epoch) for epoch in range(3)]
+    expected = [collate_pairs([pairs[i] for i in batch]) for layout in layouts for batch in layout]
+    for step, b in enumerate(expected):
+        assert all(torch.equal(x, y) for x, y in zip(job.next_batch(step), (b.src, b.tgt_in, b.tgt_out), strict=True)), step
+    assert seeds == [1234, 1235, 1236]
+
+
+def test_warmup_constant_linear_schedule() -> None:
+    factor = warmup_constant_linear_schedule(warmup=10, total=100, decay_start=0.5)
+    assert [factor(s) for s in (0, 9, 10, 49, 50, 75, 99, 100)] == [0.1, 1.0, 1.0, 1.0, 1.0, 0.5, 0.02, 0.0]
+
+
+@pytest.mark.parametrize("shipped", [DEFAULT_TRANSLATOR, DEFAULT_GENERATOR])
+def test_averaging_two_copies_gives_the_checkpoint_back_bit_for_bit(shipped: Path, tmp_path: Path) -> None:
+    average_checkpoints([shipped, shipped], tmp_path / "average", "test")
+    original, averaged = load_file(str(shipped / "model.safetensors")), load_file(str(tmp_path / "average" / "model.safetensors"))
+    assert original.keys() == averaged.keys()
+    for name, tensor in original.items():
+        assert averaged[name].dtype == tensor.dtype
+        assert torch.equal(averaged[name], tensor), name
+    assert (tmp_path / "average" / "config.json").read_text() == (shipped / "config.json").read_text()
+    assert (tmp_path / "average" / "tokenizer.model").read_bytes() == (shipped / "tokenizer.model").read_bytes()
+    training = json.loads((tmp_path / "average" / "training.json").read_text())
+    assert [a["model_sha256"] for a in training["averaged"]] == [file_sha256(shipped / "model.safetensors")] * 2
+
+
+def test_averaged_weights_of_two_snapshots_load_and_translate(tmp_path: Path) -> None:
+    model, tokenizer = load_checkpoint(DEFAULT_TRANSLATOR)
+    shipped = {name: t.clone() for name, t in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 0.01 * torch.randn_like(p))
+    save_checkpoint(tmp_path / "other", model, tokenizer, {"command": "perturbed copy"})
+    average_checkpoints([DEFAULT_TRANSLATOR, tmp_path / "other"], tmp_path / "average", "test")
+
+    averaged, averaged_tokenizer = load_checkpoint(tmp_path / "average")
+    assert isinstance(averaged, Translator)
+    other = model.state_dict()
+    for name, tensor in averaged.state_dict().items():
+        torch.testing.assert_close(tensor, (shipped[name] + other[name]) / 2)
+    [[german]] = translate_sentences(averaged, averaged_tokenizer, ["A man is riding a bike."], beam_size=4)
+    assert "Mann" in german
+
+
+def test_averaging_refuses_different_models(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="differs"):
+        average_checkpoints([DEFAULT_TRANSLATOR, DEFAULT_GENERATOR], tmp_path / "average", "test")
