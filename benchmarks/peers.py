@@ -315,9 +315,9 @@ def plot(results: dict[str, float], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads and ctranslate2 intra_threads")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads and ctranslate2 intra_threads")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each measure, the best kept")
     parser.add_argument("--quick", action="store_true", help="100 sentences, fewer prompts, one repeat: to check the script")
     args = parser.parse_args()

@@ -80,20 +80,18 @@ def _check_generator(c: GeneratorConfig) -> None:
 
 def marian_config(c: TranslatorConfig) -> MarianConfig:
     _check_translator(c)
+    both_sides = {"attention_heads": c.n_heads, "ffn_dim": c.d_ff}  # encoder_* and decoder_* alike
+    sides: dict[str, Any] = {f"{side}_{name}": value for side in ("encoder", "decoder") for name, value in both_sides.items()}
+    dropouts: dict[str, Any] = dict.fromkeys(("dropout", "attention_dropout", "activation_dropout"), c.dropout)
     return MarianConfig(
+        **sides,
         vocab_size=c.vocab_size,
         decoder_vocab_size=c.vocab_size,
         d_model=c.d_model,
         encoder_layers=c.n_encoder_layers,
         decoder_layers=c.n_decoder_layers,
-        encoder_attention_heads=c.n_heads,
-        decoder_attention_heads=c.n_heads,
-        encoder_ffn_dim=c.d_ff,
-        decoder_ffn_dim=c.d_ff,
+        **dropouts,
         activation_function=c.activation,
-        dropout=c.dropout,
-        attention_dropout=c.dropout,
-        activation_dropout=c.dropout,
         max_position_embeddings=c.max_len,
         scale_embedding=True,
         share_encoder_decoder_embeddings=True,
@@ -157,14 +155,14 @@ def gpt_neox_config(c: GeneratorConfig) -> GPTNeoXConfig:
         vocab_size=c.vocab_size,
         hidden_size=c.d_model,
         num_hidden_layers=c.n_layers,
+        use_parallel_residual=False,
         num_attention_heads=c.n_heads,
         intermediate_size=c.d_ff,
         hidden_act=c.activation,  # "gelu" is the erf form, as torch's F.gelu
+        layer_norm_eps=1e-5,
         hidden_dropout=c.dropout,
         attention_dropout=c.dropout,
         max_position_embeddings=c.max_len,
-        layer_norm_eps=1e-5,
-        use_parallel_residual=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
         attention_bias=True,
         tie_word_embeddings=True,
@@ -290,6 +288,24 @@ def _layer_norm(spec: Any, layer_norm: torch.nn.Module) -> None:
     spec.gamma, spec.beta = layer_norm.weight.detach().numpy(), layer_norm.bias.detach().numpy()
 
 
+def _self_attention(layer_spec: Any, layer: EncoderLayer | DecoderLayer) -> None:
+    """A CTranslate2 layer spec's self-attention (fused qkv) and its layer norm, from our layer."""
+    _linear(layer_spec.self_attention.linear[0], *_fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+    _linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias)
+    _layer_norm(layer_spec.self_attention.layer_norm, layer.attn_residual.norm)
+
+
+def _feed_forward(layer_spec: Any, layer: EncoderLayer | DecoderLayer) -> None:
+    _linear(layer_spec.ffn.linear_0, layer.feed_forward.fc1.weight, layer.feed_forward.fc1.bias)
+    _linear(layer_spec.ffn.linear_1, layer.feed_forward.fc2.weight, layer.feed_forward.fc2.bias)
+    _layer_norm(layer_spec.ffn.layer_norm, layer.ff_residual.norm)
+
+
+def _self_attention_and_feed_forward(layer_spec: Any, layer: EncoderLayer | DecoderLayer) -> None:
+    _self_attention(layer_spec, layer)
+    _feed_forward(layer_spec, layer)
+
+
 def _fused(*linears: torch.nn.Linear) -> tuple[Tensor, Tensor]:
     return torch.cat([m.weight for m in linears]), torch.cat([m.bias for m in linears])
 
@@ -315,24 +331,15 @@ def ct2_translator_spec(model: Translator, tokenizer: Tokenizer) -> Any:
     _linear(spec.decoder.projection, model.embed.weight)
     for layer_spec, layer in zip(spec.encoder.layer, model.encoder_layers, strict=True):
         assert isinstance(layer, EncoderLayer)
-        _linear(layer_spec.self_attention.linear[0], *_fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
-        _linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias)
-        _layer_norm(layer_spec.self_attention.layer_norm, layer.attn_residual.norm)
-        _linear(layer_spec.ffn.linear_0, layer.feed_forward.fc1.weight, layer.feed_forward.fc1.bias)
-        _linear(layer_spec.ffn.linear_1, layer.feed_forward.fc2.weight, layer.feed_forward.fc2.bias)
-        _layer_norm(layer_spec.ffn.layer_norm, layer.ff_residual.norm)
+        _self_attention_and_feed_forward(layer_spec, layer)
     for layer_spec, layer in zip(spec.decoder.layer, model.decoder_layers, strict=True):
         assert isinstance(layer, DecoderLayer) and layer.src_attn is not None and layer.src_residual is not None
-        _linear(layer_spec.self_attention.linear[0], *_fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
-        _linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias)
-        _layer_norm(layer_spec.self_attention.layer_norm, layer.attn_residual.norm)
+        _self_attention(layer_spec, layer)
         _linear(layer_spec.attention.linear[0], layer.src_attn.q_proj.weight, layer.src_attn.q_proj.bias)
         _linear(layer_spec.attention.linear[1], *_fused(layer.src_attn.k_proj, layer.src_attn.v_proj))
         _linear(layer_spec.attention.linear[2], layer.src_attn.out_proj.weight, layer.src_attn.out_proj.bias)
         _layer_norm(layer_spec.attention.layer_norm, layer.src_residual.norm)
-        _linear(layer_spec.ffn.linear_0, layer.feed_forward.fc1.weight, layer.feed_forward.fc1.bias)
-        _linear(layer_spec.ffn.linear_1, layer.feed_forward.fc2.weight, layer.feed_forward.fc2.bias)
-        _layer_norm(layer_spec.ffn.layer_norm, layer.ff_residual.norm)
+        _feed_forward(layer_spec, layer)
     pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
@@ -356,12 +363,7 @@ def ct2_generator_spec(model: Generator, tokenizer: Tokenizer) -> Any:
     _layer_norm(decoder.layer_norm, model.final_norm)
     for layer_spec, layer in zip(decoder.layer, model.layers, strict=True):
         assert isinstance(layer, DecoderLayer)
-        _linear(layer_spec.self_attention.linear[0], *_fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
-        _linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias)
-        _layer_norm(layer_spec.self_attention.layer_norm, layer.attn_residual.norm)
-        _linear(layer_spec.ffn.linear_0, layer.feed_forward.fc1.weight, layer.feed_forward.fc1.bias)
-        _linear(layer_spec.ffn.linear_1, layer.feed_forward.fc2.weight, layer.feed_forward.fc2.bias)
-        _layer_norm(layer_spec.ffn.layer_norm, layer.ff_residual.norm)
+        _self_attention_and_feed_forward(layer_spec, layer)
     spec.register_vocabulary([tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)])
     spec.config.layer_norm_epsilon = 1e-5
     for key, piece_id in [("bos_token", BOS_ID), ("eos_token", EOS_ID), ("unk_token", UNK_ID)]:

@@ -12,31 +12,31 @@ from typing import Any
 import httpx
 import pytest
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
-from service.config import ModelServingConfig, ServiceConfig
+from service.config import ServiceConfig
 from service.engine.config import EngineConfig
+from tests.service.conftest import TEST_CONFIG
 from tests.service.test_metrics import scrape
 
 APP = "faults"
 FAST_HEALTH = {"fault_injection": True, "heartbeat_timeout_s": 3.0, "health_check_period_s": 1.0, "graceful_shutdown_timeout_s": 1.0}
+# The session's models under other names (their metrics stay apart), with fast health checks.
 FAULT_CONFIG = ServiceConfig(
-    translator=ModelServingConfig(
-        name="faulty-en-de",
-        checkpoint=DEFAULT_TRANSLATOR,
-        engine=EngineConfig(n_slots=8, max_waiting=8, queue_timeout_s=1.0, request_timeout_s=2.0),
-        num_cpus=0.05,
-        torch_threads=1,
-        **FAST_HEALTH,  # type: ignore[arg-type]
+    translator=TEST_CONFIG.translator.model_copy(
+        update={
+            "name": "faulty-en-de",
+            "engine": EngineConfig(n_slots=8, max_waiting=8, queue_timeout_s=1.0, request_timeout_s=2.0),
+            "num_cpus": 0.05,
+            **FAST_HEALTH,
+        }
     ),
-    generator=ModelServingConfig(
-        name="faulty-shakespeare",
-        checkpoint=DEFAULT_GENERATOR,
-        engine=EngineConfig(n_slots=8, max_waiting=16, default_max_tokens=16),
-        num_replicas=2,
-        num_cpus=0.05,
-        torch_threads=1,
-        stream_interval_ms=0,
-        **FAST_HEALTH,  # type: ignore[arg-type]
+    generator=TEST_CONFIG.generator.model_copy(
+        update={
+            "name": "faulty-shakespeare",
+            "engine": EngineConfig(n_slots=8, max_waiting=16, default_max_tokens=16),
+            "num_cpus": 0.05,
+            "stream_interval_ms": 0,
+            **FAST_HEALTH,
+        }
     ),
 )
 
