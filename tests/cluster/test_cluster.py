@@ -1,0 +1,265 @@
+"""A real two-node Ray cluster on this machine (token authentication on), the app deployed from
+deploy/serve_config.yaml with `serve deploy`, then, in order: placement and serving, autoscaling
+under a bounded load, the replicas panel of the dashboard, a rollout under load, and the Docker
+image's command on deploy/serve_config.gpu.yaml. Every process runs outside pytest's (the
+cluster's nodes and the Serve CLI), so this module never meets the session's own `ray.init`."""
+
+import asyncio
+import json
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil  # type: ignore[import-untyped]
+import pytest
+import yaml  # type: ignore[import-untyped]
+
+from loadtests.cluster import (
+    MODEL_DEPLOYMENTS,
+    ROOT,
+    LocalCluster,
+    Replica,
+    ReplicaCheck,
+    free_port,
+    local_cluster,
+    replicas_of,
+    session_members,
+    write_config,
+)
+from loadtests.scaling import Load, Scenario, Timeline, autoscaling_scenario, cluster_config, run_prometheus, run_scenario, summary
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "serving.json"
+GPU_CONFIG = ROOT / "deploy" / "serve_config.gpu.yaml"
+RUNS: dict[str, Timeline] = {}  # what one test measured, for a later one to read
+METRICS_SETTLE_S = 60.0
+
+
+@dataclass
+class Deployed:
+    cluster: LocalCluster
+    url: str
+    port: int
+    prometheus: str | None  # a Prometheus scraping both nodes every second, where one is installed
+    directory: Path
+
+
+@pytest.fixture(scope="module")
+def deployed() -> Iterator[Deployed]:
+    # Ray's socket paths must stay short: not under pytest's tmp_path.
+    directory = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))
+    try:
+        # Four logical CPUs and one logical GPU a node: room for the CPU config's half-CPU
+        # replicas, a rollout's surge, and the GPU config's half-GPU replicas (on the CPU here).
+        with local_cluster(directory / "cluster", num_cpus=4, num_gpus=1) as cluster:
+            monitor = run_prometheus(cluster, directory / "prometheus") if shutil.which("prometheus") else None
+            try:
+                port = free_port()
+                cluster.deploy(write_config(cluster_config(port), directory / "v1.json"))
+                cluster.wait_for(ReplicaCheck(running={"Translator": 1, "Generator": 1}))
+                yield Deployed(cluster, f"http://127.0.0.1:{port}", port, monitor and monitor.url, directory)
+            finally:
+                if monitor is not None:
+                    monitor.stop()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def replicas(cluster: LocalCluster) -> list[Replica]:
+    app = cluster.application()
+    assert app is not None
+    return replicas_of(app)
+
+
+def listening(cluster: LocalCluster, port: int) -> set[str]:
+    """The addresses the cluster's own processes listen on at this port."""
+    pids = set(session_members({p.pid for p in cluster.processes}))
+    connections = psutil.net_connections(kind="tcp")
+    return {c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid in pids}
+
+
+def assert_served(url: str) -> None:
+    """One translation, one completion and one stream through the proxy, answered in full."""
+    translation = httpx.post(f"{url}/v1/translate", json={"text": "A man is riding a bike.", "beam_size": 1}, timeout=120)
+    assert translation.status_code == 200 and translation.json()["translations"][0]["text"].startswith("Ein Mann"), translation.text
+    body = {"model": "transformer-shakespeare", "prompt": "ROMEO:\n", "max_tokens": 8, "temperature": 0}
+    completion = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 8, completion.text
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=120) as stream:
+        assert stream.status_code == 200
+        assert "".join(stream.iter_text()).endswith("data: [DONE]\n\n")
+
+
+def test_the_app_serves_from_both_nodes_of_a_token_authenticated_cluster(deployed: Deployed) -> None:
+    cluster = deployed.cluster
+    nodes = cluster.alive_nodes()
+    assert len(nodes) == 2
+    # Token authentication is on: the dashboard's API refuses a request without the token, and a
+    # node with another token does not join (the GCS refuses it).
+    assert httpx.get(f"{cluster.dashboard_url}/api/serve/applications/", timeout=30).status_code == 401
+    ports = [f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}"]
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        cluster.cli("ray", "start", f"--address={cluster.gcs_address}", *ports, env={"RAY_AUTH_TOKEN": "0" * 64}, timeout_s=180)
+    assert "InvalidAuthToken" in refused.value.stderr + refused.value.stdout
+    assert cluster.alive_nodes() == nodes
+    placed = {r.node_id for r in replicas(cluster) if r.deployment in MODEL_DEPLOYMENTS}
+    assert placed == nodes, f"the model replicas are on {placed}, the nodes are {nodes}"  # Serve spreads replicas
+    assert_served(deployed.url)
+    # A Serve proxy on each node, both on the loopback interface only.
+    assert len(cluster.get("/api/serve/applications/")["proxies"]) == 2
+    assert listening(cluster, deployed.port) == {"127.0.0.1"}
+
+
+def test_the_generator_scales_out_under_load_and_back_in_after_with_every_request_answered(deployed: Deployed) -> None:
+    cluster = deployed.cluster
+    cluster.wait_for(ReplicaCheck(running={"Translator": 1, "Generator": 1}))
+    timeline = asyncio.run(run_scenario(cluster, deployed.url, autoscaling_scenario()))
+    RUNS["autoscaling"] = timeline
+    numbers = summary(timeline)
+    print("autoscaling:", numbers)
+    assert timeline.failures() == [], timeline.failures()[:5]
+    assert numbers["statuses"] == {"200": numbers["requests"]}
+    assert timeline.running("Generator")[0][1] == 1  # before the load
+    scale_out = timeline.first("Generator", 2)
+    assert scale_out is not None and timeline.load_end is not None and timeline.load_start < scale_out < timeline.load_end, numbers
+    assert timeline.settled is not None, f"the generator did not get back to one replica: {numbers}"
+    assert timeline.running("Generator")[-1][1] == 1 and timeline.running("Translator")[-1][1] == 1
+    # The translator's load (two clients) stayed below its target: it did not scale with the generator.
+    assert max(n for _, n in timeline.running("Translator")) == 1
+
+
+def query_range(prometheus: str, expr: str, start: float, end: float) -> list[dict[str, Any]]:
+    response = httpx.get(f"{prometheus}/api/v1/query_range", params={"query": expr, "start": start, "end": end, "step": "1s"}, timeout=60)
+    body = response.json()
+    assert body["status"] == "success", body
+    return list(body["data"]["result"])
+
+
+def panel_exprs(title: str) -> list[str]:
+    (panel,) = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"] == title]
+    return [t["expr"] for t in panel["targets"]]
+
+
+def test_the_replicas_panel_shows_each_generator_replica_come_and_go(deployed: Deployed) -> None:
+    if deployed.prometheus is None:
+        pytest.skip("the prometheus binary is not installed (CI installs it)")
+    if "autoscaling" not in RUNS:
+        pytest.skip("needs the autoscaling test's run")
+    timeline = RUNS["autoscaling"]
+    start = timeline.wall_start
+    per_replica, count = panel_exprs("Replicas over time")
+
+    def generator_count(end: float) -> list[int]:
+        (generator,) = [s for s in query_range(deployed.prometheus, count, start, end) if s["metric"]["deployment"] == "Generator"]
+        return [int(float(v)) for _, v in generator["values"]]
+
+    # Ray's endpoints show a replica's end at their next report (every 10 s): wait for it, bounded.
+    deadline = time.monotonic() + METRICS_SETTLE_S
+    while (values := generator_count(end := time.time()))[-1] != 1 and time.monotonic() < deadline:
+        time.sleep(2)
+    assert values[0] == 1 and max(values) >= 2 and values[-1] == 1, values
+    series = [s for s in query_range(deployed.prometheus, per_replica, start, end) if s["metric"]["deployment"] == "Generator"]
+    assert len({s["metric"]["replica"] for s in series}) >= 2, series  # one series per replica
+    # Both generator replicas answered requests (their own counters, per replica).
+    successes = 'ray_serving_request_success_total{model="transformer-shakespeare"}'
+    served = f"max by (replica) (max_over_time({successes}[{int(end - start) + 60}s]))"
+    answered = httpx.get(f"{deployed.prometheus}/api/v1/query", params={"query": served, "time": end}, timeout=60).json()["data"]["result"]
+    assert sum(float(r["value"][1]) > 0 for r in answered) >= 2, answered
+
+
+def rollout(deployed: Deployed, deploy: Callable[[], object], load: Load, after_rollout: int) -> tuple[Timeline, frozenset[str]]:
+    """Runs `deploy` (a changed config) under `load` (below the generator's autoscaling target, so
+    only the rollout changes replicas); the load goes on until no old replica is left, each
+    deployment has a new one running, and `after_rollout` more requests are answered."""
+    cluster = deployed.cluster
+    old = frozenset(r.replica_id for r in cluster.wait_for(ReplicaCheck(running={"Translator": 1, "Generator": 1})))
+
+    def replaced(sample: list[Replica]) -> bool:
+        running = {r.deployment for r in sample if r.state == "RUNNING"}
+        return not old & {r.replica_id for r in sample} and running == {"Ingress", *MODEL_DEPLOYMENTS}
+
+    def rolled_out(timeline: Timeline) -> bool:
+        if timeline.action_end is None:
+            return False
+        done = next((s.t for s in timeline.samples if s.t > timeline.action_end and replaced(s.replicas)), None)
+        return done is not None and timeline.completed_after(done) >= after_rollout
+
+    scenario = Scenario(load=load, stop_when=rolled_out, settled=replaced, action=deploy, action_after=load.streams)
+    return asyncio.run(run_scenario(cluster, deployed.url, scenario)), old
+
+
+def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut_stream(deployed: Deployed) -> None:
+    # A new checkpoint folder for the translator, new engine limits and pacing for the generator.
+    checkpoint = shutil.copytree(ROOT / "model" / "checkpoints" / "translator-en-de", deployed.directory / "translator-en-de-v2")
+    models = {
+        "translator": {"checkpoint": str(checkpoint)},
+        "generator": {"engine": {"n_slots": 24, "max_waiting": 48, "default_max_tokens": 16}, "stream_interval_ms": 20},
+    }
+    v2 = write_config(cluster_config(deployed.port, models=models), deployed.directory / "v2.json")
+    load = Load(streams=3, completions=1, translations=2, max_requests=80, max_tokens=64)
+    timeline, old = rollout(deployed, lambda: deployed.cluster.deploy(v2), load, after_rollout=8)
+    print("rollout:", summary(timeline), "deploy from", timeline.action_start, "to", timeline.action_end, "settled", timeline.settled)
+    assert timeline.failures() == [], timeline.failures()[:5]
+    assert all(r.status == 200 for r in timeline.results)
+    final = replicas(deployed.cluster)
+    assert timeline.settled is not None and not old & {r.replica_id for r in final}, final
+    assert {r.deployment for r in final} == {"Ingress", *MODEL_DEPLOYMENTS}
+    app = deployed.cluster.application()
+    assert app is not None and app["deployed_app_config"]["args"]["translator"]["checkpoint"] == str(checkpoint)
+
+    # Streams the old generator replica had taken and was still sending when it began to drain:
+    # started while no new replica ran, still open once no old one ran; each ended with [DONE].
+    def old_running(sample_replicas: list[Replica]) -> bool:
+        return any(r.deployment == "Generator" and r.state == "RUNNING" and r.replica_id in old for r in sample_replicas)
+
+    def new_running(sample_replicas: list[Replica]) -> bool:
+        return any(r.deployment == "Generator" and r.state == "RUNNING" and r.replica_id not in old for r in sample_replicas)
+
+    before_new = max(s.t for s in timeline.samples if not new_running(s.replicas) and s.t < next_t(timeline, new_running))
+    old_gone = next_t(timeline, lambda rs: not old_running(rs), after=before_new)
+    drained = [r for r in timeline.results if r.kind == "stream" and r.start < before_new and r.end > old_gone]
+    assert drained, f"no stream spanned the switch (new replica after {before_new:.1f} s, old one gone at {old_gone:.1f} s)"
+    print(f"{len(drained)} streams started before {before_new:.1f} s on the old generator replica, still open at {old_gone:.1f} s")
+    assert all(r.error is None for r in drained)
+
+
+def next_t(timeline: Timeline, holds: Callable[[list[Replica]], bool], after: float = 0.0) -> float:
+    """The first sample time (after `after`) whose replicas satisfy `holds`."""
+    return next(s.t for s in timeline.samples if s.t > after and holds(s.replicas))
+
+
+def test_the_images_command_serves_the_gpu_config_here(deployed: Deployed) -> None:
+    """The Dockerfile's `serve run` of deploy/serve_config.gpu.yaml, run against this cluster (its
+    nodes declare a GPU each; `device: auto` runs the models on the CPU): the app rolls over to it
+    under load, and Serve keeps the proxies it has, on 127.0.0.1 (the config's 0.0.0.0 is ignored)."""
+    command = dockerfile_serve_run()
+    assert command[:2] == ["serve", "run"] and (ROOT / command[-1]).resolve() == GPU_CONFIG
+    non_blocking = [*command[:2], "--non-blocking", *command[2:]]
+    env = {"RAY_ADDRESS": deployed.cluster.gcs_address}
+    load = Load(streams=2, completions=1, translations=1, max_requests=80, max_tokens=32)
+    timeline, old = rollout(deployed, lambda: deployed.cluster.cli(*non_blocking, env=env), load, after_rollout=8)
+    print("image command:", summary(timeline), "deploy from", timeline.action_start, "to", timeline.action_end, "settled", timeline.settled)
+    assert timeline.failures() == [], timeline.failures()[:5]
+    app = deployed.cluster.application()
+    assert app is not None and app["deployed_app_config"]["args"] == yaml.safe_load(GPU_CONFIG.read_text())["applications"][0]["args"]
+    for name in MODEL_DEPLOYMENTS:
+        assert app["deployments"][name]["deployment_config"]["ray_actor_options"]["num_gpus"] == 0.5
+    assert not old & {r.replica_id for r in replicas(deployed.cluster)}
+    assert_served(deployed.url)
+    assert listening(deployed.cluster, deployed.port) == {"127.0.0.1"} and listening(deployed.cluster, 8000) == set()
+
+
+def dockerfile_serve_run() -> list[str]:
+    """The `serve run ...` the image's CMD ends with (after starting a head node)."""
+    (cmd,) = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("CMD ")]
+    shell, flag, script = json.loads(cmd.removeprefix("CMD "))
+    assert (shell, flag) == ("sh", "-c")
+    start, serve_run = script.split(" && exec ")
+    assert start.startswith("ray start --head ")
+    return shlex.split(serve_run)
