@@ -20,9 +20,8 @@ def capacity() -> int:
     return int(g.num_replicas) * (g.engine.n_slots + g.engine.max_waiting)
 
 
-def test_three_times_capacity_beside_a_healthz_burst(service_url: str) -> None:
-    expected = httpx.post(f"{service_url}/v1/completions", json=PROMPT, timeout=60).json()["choices"][0]["text"]
-    burst = 3 * capacity()
+def burst(url: str, completions: int, healthz: int) -> tuple[list[tuple[httpx.Response, float]], list[tuple[httpx.Response, float]]]:
+    """That many completions and /healthz requests at once: (response, seconds) of each."""
 
     async def timed(http: httpx.AsyncClient, method: str, path: str, **kwargs: object) -> tuple[httpx.Response, float]:
         started = time.perf_counter()
@@ -30,28 +29,44 @@ def test_three_times_capacity_beside_a_healthz_burst(service_url: str) -> None:
         return response, time.perf_counter() - started
 
     async def main() -> tuple[list[tuple[httpx.Response, float]], list[tuple[httpx.Response, float]]]:
-        limits = httpx.Limits(max_connections=2 * burst + 10)
-        async with httpx.AsyncClient(base_url=service_url, timeout=300, limits=limits) as http:
-            completions = [timed(http, "POST", "/v1/completions", json=PROMPT) for _ in range(burst)]
-            health = [timed(http, "GET", "/healthz") for _ in range(burst)]
-            results = await asyncio.gather(*completions, *health)
-            return results[:burst], results[burst:]
+        limits = httpx.Limits(max_connections=completions + healthz + 10)
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
+            requests = [timed(http, "POST", "/v1/completions", json=PROMPT) for _ in range(completions)]
+            requests += [timed(http, "GET", "/healthz") for _ in range(healthz)]
+            results = await asyncio.gather(*requests)
+            return results[:completions], results[completions:]
 
-    completions, health = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def p99(seconds: list[float]) -> float:
+    return sorted(seconds)[int(0.99 * (len(seconds) - 1))]
+
+
+def test_three_times_capacity_beside_a_healthz_burst(service_url: str) -> None:
+    expected = httpx.post(f"{service_url}/v1/completions", json=PROMPT, timeout=60).json()["choices"][0]["text"]
+    at_capacity, _ = burst(service_url, capacity(), 0)
+    assert all(r.status_code == 200 for r, _ in at_capacity)
+    completions, health = burst(service_url, 3 * capacity(), 3 * capacity())
     refused = [(r, s) for r, s in completions if r.status_code != 200]
     accepted = [(r, s) for r, s in completions if r.status_code == 200]
     assert all(r.status_code == 200 for r, _ in health)
-    assert refused, f"{burst} simultaneous completions against room for {capacity()} must see refusals"
+    assert refused, f"{3 * capacity()} simultaneous completions against room for {capacity()} must see refusals"
     for response, _ in refused:
         assert response.status_code in (429, 503), response.text
         assert response.headers.get("retry-after") == str(TEST_CONFIG.retry_after_seconds)
         assert response.json()["error"]["type"] in ("rate_limit_error", "service_unavailable")
     assert accepted and all(r.json()["choices"][0]["text"] == expected for r, _ in accepted)
+    # Reported, not asserted: the accepted requests' p99 against its value at capacity (README).
+    p99_capacity, p99_overload = p99([s for _, s in at_capacity]), p99([s for _, s in accepted])
     after = httpx.post(f"{service_url}/v1/completions", json=PROMPT, timeout=60)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected
     refusal_p50 = sorted(s for _, s in refused)[len(refused) // 2]
     health_p50 = sorted(s for _, s in health)[len(health) // 2]
-    print(f"burst {burst}: {len(accepted)} accepted, {len(refused)} refused; p50 refusal {refusal_p50:.3f} s, /healthz {health_p50:.3f} s")
+    print(
+        f"{3 * capacity()} completions: {len(accepted)} accepted (p99 {p99_overload:.2f} s; {p99_capacity:.2f} s at capacity), "
+        f"{len(refused)} refused (p50 {refusal_p50:.3f} s; /healthz p50 {health_p50:.3f} s)"
+    )
 
 
 def send_partial_body(url: str, headers: str, body: bytes) -> bytes:
