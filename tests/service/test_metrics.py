@@ -257,7 +257,7 @@ def test_every_panel_and_alert_evaluates_and_ttft_counts_every_request(service_u
 
     expected = {TRANSLATOR: before.get(TRANSLATOR, 0.0) + len(SENTENCES), GENERATOR: before.get(GENERATOR, 0.0) + 6}
     after = settled(lambda: by_model(prometheus_url, ttft_counts), lambda v: all(v.get(m, 0.0) >= n for m, n in expected.items()))
-    assert after == expected
+    assert {m: v for m, v in after.items() if m in expected} == expected  # other tests' apps have models of their own
 
     empty = []
     for title, expr in dashboard_targets():
@@ -267,7 +267,7 @@ def test_every_panel_and_alert_evaluates_and_ttft_counts_every_request(service_u
         if not result:
             empty.append(f"{title}: {expr}")
         if title in ("Time to first token", "Inter-token latency"):
-            assert {r["metric"]["model"] for r in result} == {TRANSLATOR, GENERATOR}, expr
+            assert {TRANSLATOR, GENERATOR} <= {r["metric"]["model"] for r in result}, expr
     assert not empty, "panels without data:\n" + "\n".join(empty)
     rules = alert_rules()
     assert len(rules) >= 5

@@ -128,11 +128,14 @@ def assert_maps_every_character(text: str, translation: dict[str, Any]) -> None:
         assert position <= start < end <= len(text)
         assert text[position:start].strip() == ""  # only whitespace is left out of sentences
         assert text[start:end].strip() == text[start:end]
-        assert sentence["text"].strip() and sentence["finish_reason"] == "stop"
+        assert sentence["text"].strip() and sentence["finish_reason"] in ("stop", "length")
         rebuilt += text[position:start] + sentence["text"]
         position = end
     assert text[position:].strip() == ""
     assert translation["text"] == rebuilt + text[position:]
+    # A piece the model could not finish within max_tokens is said so, for the whole text too.
+    cut = any(s["finish_reason"] == "length" for s in translation["sentences"])
+    assert translation["finish_reason"] == ("length" if cut else "stop")
 
 
 @pytest.mark.parametrize(
