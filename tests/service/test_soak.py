@@ -40,8 +40,10 @@ def test_soak_with_cancelled_streams_leaks_nothing(service_url: str) -> None:
     assert result.outcomes["ok"] > 0 and result.outcomes["cancelled"] > 0
     warm = next(stats for t, stats in result.samples if t >= WARMUP_S)
     last = result.samples[-1][1]
-    for process, values in last.items():
-        assert process in warm, f"{process} was replaced during the soak"
+    compared = set(last) & set(warm)  # a sample can miss a replica: Serve's router picks which one answers
+    assert {p.split(":")[0] for p in compared} == {"Translator", "Generator", "Ingress"}, (list(warm), list(last))
+    for process in compared:
+        values = last[process]
         assert values["open_fds"] <= warm[process]["open_fds"] + 2, (process, summary)
         assert values["asyncio_tasks"] <= warm[process]["asyncio_tasks"] + 2, (process, summary)
     for process, mb_per_min in summary["rss_mb_per_min"].items():
