@@ -26,8 +26,9 @@ move least with it).
   after another, batch 16 sixteen prompts at once (our engine: 16 slots).
 
 Prints a table; with --json the last line is one JSON object: each figure, the ratios
-<work>_vs_<peer> (ours / peer, throughput; <work>_vs_<peer>_by_cpu from CPU time), the BLEU of
-each system and the share of each peer's outputs equal to ours (<work>_same_as_ours_<peer>).
+<work>_vs_<peer> (ours / peer, throughput; <work>_vs_<peer>_by_cpu from CPU time), the same for
+our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py), the BLEU of each system
+and the share of each other system's outputs equal to ours (<work>_same_as_ours_<system>).
 Writes peers.json and peers.png into --out.
 """
 
@@ -54,7 +55,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType
 from model.data import SHARED_DATA, read_lines
 from model.export import export_ct2, export_hf
 from model.sampling import GREEDY
@@ -64,8 +65,8 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 
-SYSTEMS = ["ours", "transformers", "ct2_float32", "ct2_int8"]
-PEERS = SYSTEMS[1:]
+SYSTEMS = ["ours", "ours_int8", "transformers", "ct2_float32", "ct2_int8"]
+PEERS = SYSTEMS[2:]
 BATCH_SENTENCES = 64
 NEW_TOKENS = 200
 MAX_LEN = 256  # both models' context
@@ -119,10 +120,10 @@ def length_batches(sequences: Sequence[Sized], size: int) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
-def offline_engine(checkpoint: Path, n_slots: int) -> Engine:
+def offline_engine(checkpoint: Path, n_slots: int, weights: WeightType = torch.float32) -> Engine:
     """The service's engine for an offline batch: every request waits its turn (no deadlines)."""
     config = EngineConfig(n_slots=n_slots, max_waiting=10_000, queue_timeout_s=None, request_timeout_s=None)
-    return Engine.from_checkpoint(checkpoint, config)
+    return Engine.from_checkpoint(checkpoint, config, "cpu", weights)
 
 
 def engine_translate(engine: Engine, sentences: list[str], beam_size: int) -> Outputs:
@@ -183,9 +184,10 @@ def translation(exports: Exports, sentences: list[str], references: list[str], t
     }
     results: dict[str, float] = {}
     for work, beam in [("translate_greedy", 1), ("translate_beam4", 4)]:
-        engine = offline_engine(DEFAULT_TRANSLATOR, BATCH_SENTENCES * beam)
+        engine, engine_int8 = (offline_engine(DEFAULT_TRANSLATOR, BATCH_SENTENCES * beam, w) for w in (torch.float32, "int8"))
         runs: dict[str, Callable[[list[str]], Outputs]] = {
             "ours": partial(engine_translate, engine, beam_size=beam),
+            "ours_int8": partial(engine_translate, engine_int8, beam_size=beam),
             "transformers": partial(transformers_translate, hf_model, hf_tokenizer, beam_size=beam),
             **{name: partial(ct2_translate, translator, tokenizer, beam_size=beam) for name, translator in ct2.items()},
         }
@@ -200,9 +202,9 @@ def translation(exports: Exports, sentences: list[str], references: list[str], t
 
 
 def agreement(work: str, outputs: dict[str, Outputs]) -> dict[str, float]:
-    """<work>_same_as_ours_<peer>: the share of outputs (texts) that equal ours."""
+    """<work>_same_as_ours_<system>: the share of outputs (texts) that equal ours (float32)."""
     ours = outputs["ours"]
-    return {f"{work}_same_as_ours_{p}": sum(a == b for a, b in zip(ours, outputs[p], strict=True)) / len(ours) for p in PEERS}
+    return {f"{work}_same_as_ours_{s}": sum(a == b for a, b in zip(ours, outputs[s], strict=True)) / len(ours) for s in SYSTEMS[1:]}
 
 
 def engine_generate(engine: Engine, prompts: list[str]) -> Outputs:
@@ -248,9 +250,10 @@ def generation(exports: Exports, threads: int, batch_1_prompts: int, repeats: in
     results: dict[str, float] = {}
     for batch_size in [1, 16]:
         work = f"generate_batch_{batch_size}"
-        engine = offline_engine(DEFAULT_GENERATOR, batch_size)
+        engine, engine_int8 = (offline_engine(DEFAULT_GENERATOR, batch_size, w) for w in (torch.float32, "int8"))
         runs: dict[str, Callable[[list[str]], Outputs]] = {
             "ours": partial(engine_generate, engine),
+            "ours_int8": partial(engine_generate, engine_int8),
             "transformers": partial(transformers_generate, hf_model, hf_tokenizer),
             **{name: partial(ct2_generate, generator, tokenizer) for name, generator in ct2.items()},
         }
@@ -269,16 +272,18 @@ def generation(exports: Exports, threads: int, batch_1_prompts: int, repeats: in
 
 
 def ratios(results: dict[str, float]) -> dict[str, float]:
-    """<work>_vs_<peer>: our throughput over the peer's (wall time); <work>_vs_<peer>_by_cpu: the
-    same from CPU time (the peer's CPU seconds over ours)."""
+    """<work>_vs_<peer>: our (float32) throughput over the peer's (wall time); <work>_int8_vs_<peer>:
+    the same for our int8 weights; <work>[_int8]_vs_<peer>_by_cpu: the same from CPU time (the peer's
+    CPU seconds over ours)."""
     out = {}
     for key in list(results):
-        for unit in ["_sentences_per_s_ours", "_tokens_per_s_ours"]:
-            if key.endswith(unit):
-                work = key[: -len(unit)]
-                for peer in PEERS:
-                    out[f"{work}_vs_{peer}"] = results[key] / results[f"{work}{unit[:-5]}_{peer}"]
-                    out[f"{work}_vs_{peer}_by_cpu"] = results[f"{work}_cpu_seconds_{peer}"] / results[f"{work}_cpu_seconds_ours"]
+        for unit in ["_sentences_per_s", "_tokens_per_s"]:
+            if key.endswith(f"{unit}_ours"):
+                work = key[: -len(f"{unit}_ours")]
+                for ours, name in [("ours", work), ("ours_int8", f"{work}_int8")]:
+                    for peer in PEERS:
+                        out[f"{name}_vs_{peer}"] = results[f"{work}{unit}_{ours}"] / results[f"{work}{unit}_{peer}"]
+                        out[f"{name}_vs_{peer}_by_cpu"] = results[f"{work}_cpu_seconds_{peer}"] / results[f"{work}_cpu_seconds_{ours}"]
     return out
 
 
@@ -294,8 +299,8 @@ def plot(results: dict[str, float], path: Path) -> None:
         ("generate_batch_1", "tokens_per_s", "generation, batch 1 (tokens/s)"),
         ("generate_batch_16", "tokens_per_s", "generation, batch 16 (tokens/s)"),
     ]
-    colors = ["tab:blue", "tab:orange", "tab:green", "tab:olive"]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    colors = ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive"]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     for ax, (work, unit, title) in zip(axes.flat, works, strict=True):
         values = [results[f"{work}_{unit}_{s}"] for s in SYSTEMS]
         labels = [s.replace("_", "\n") for s in SYSTEMS]
@@ -346,7 +351,7 @@ def main() -> None:
     # Near 1 with one thread on an idle machine; lower when other processes took the cores.
     results["cpu_seconds_per_second"] = (time.process_time() - cpu_started) / results["seconds"]
     notes = [
-        "translate_greedy_int8_vs_ct2_int8 is absent: our engine has no int8 path yet",
+        "ours_int8: int8 linear layers and output projection, one scale per token and per output channel (model/quantize.py)",
         f"translation: {BATCH_SENTENCES} sentences in flight for every system (our engine: {BATCH_SENTENCES} x beam size slots)",
         "tokenization: ours and CTranslate2 with our sentencepiece model, transformers with the exported AutoTokenizer (same ids)",
         "outputs: the peers stop a batch at its longest sentence's limit, ours each sentence at its own (same_as_ours below 1)",

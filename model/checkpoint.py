@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -12,10 +12,12 @@ from model.config import GeneratorConfig, ModelConfig, TranslatorConfig
 from model.generator import Generator
 from model.paths import DEFAULT_GENERATOR as DEFAULT_GENERATOR
 from model.paths import DEFAULT_TRANSLATOR as DEFAULT_TRANSLATOR
+from model.quantize import quantize_int8
 from model.tokenizer import Tokenizer
 from model.translator import Translator
 
 Model = Translator | Generator
+WeightType = torch.dtype | Literal["int8"]  # "int8": float32 quantised for the CPU (model/quantize.py)
 
 
 def build_model(config: ModelConfig) -> Model:
@@ -48,12 +50,14 @@ def load_config(directory: Path) -> ModelConfig:
     return configs[data["architecture"]].from_dict(data)
 
 
-def load_checkpoint(directory: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Model, Tokenizer]:
-    """The model in eval mode on device, in dtype, and its tokenizer."""
+def load_checkpoint(directory: Path, device: str | torch.device = "cpu", dtype: WeightType = torch.float32) -> tuple[Model, Tokenizer]:
+    """The model in eval mode on device, in dtype (or with int8 weights, on the CPU), and its tokenizer."""
     model = build_model(load_config(directory))
     state = load_file(str(directory / "model.safetensors"))
     model.load_state_dict({k: v.float() for k, v in state.items()})
-    model.to(device=device, dtype=dtype).eval()
+    model.to(device=device, dtype=torch.float32 if dtype == "int8" else dtype).eval()
+    if dtype == "int8":
+        quantize_int8(model)
     return model, Tokenizer.load(directory / "tokenizer.model")
 
 

@@ -1,7 +1,7 @@
 """Evaluation CLI. The last line printed is one JSON object.
 
-python -m model.evaluate translate --src FILE --ref FILE [--checkpoint DIR] [--beam-size N]
-python -m model.evaluate lm --text FILE [--checkpoint DIR]
+python -m model.evaluate translate --src FILE --ref FILE [--checkpoint DIR] [--beam-size N] [--weights int8]
+python -m model.evaluate lm --text FILE [--checkpoint DIR] [--weights int8]
 """
 
 import argparse
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from sacrebleu.metrics.bleu import BLEU
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
 from model.data import read_lines
 from model.generator import Generator
 from model.lm_scoring import nats_per_char
@@ -20,8 +20,12 @@ from model.translate import translate_sentences
 from model.translator import Translator
 
 
+def weight_type(args: argparse.Namespace) -> WeightType:
+    return "int8" if args.weights == "int8" else torch.float32
+
+
 def evaluate_translation(args: argparse.Namespace) -> dict[str, object]:
-    model, tokenizer = load_checkpoint(Path(args.checkpoint or DEFAULT_TRANSLATOR), args.device)
+    model, tokenizer = load_checkpoint(Path(args.checkpoint or DEFAULT_TRANSLATOR), args.device, weight_type(args))
     assert isinstance(model, Translator), "the checkpoint is not a translator"
     sources, references = read_lines(Path(args.src)), read_lines(Path(args.ref))
     assert len(sources) == len(references), "--src and --ref differ in line count"
@@ -40,16 +44,18 @@ def evaluate_translation(args: argparse.Namespace) -> dict[str, object]:
         "beam_size": args.beam_size,
         "length_penalty": args.length_penalty,
         "checkpoint": str(args.checkpoint or DEFAULT_TRANSLATOR),
+        "weights": args.weights,
     }
 
 
 def evaluate_lm(args: argparse.Namespace) -> dict[str, object]:
-    model, tokenizer = load_checkpoint(Path(args.checkpoint or DEFAULT_GENERATOR), args.device)
+    model, tokenizer = load_checkpoint(Path(args.checkpoint or DEFAULT_GENERATOR), args.device, weight_type(args))
     assert isinstance(model, Generator), "the checkpoint is not a generator"
     text = Path(args.text).read_text(encoding="utf-8")
     started = time.perf_counter()
     scores = nats_per_char(model, tokenizer, text, torch.device(args.device))
-    return {**scores, "seconds": round(time.perf_counter() - started, 2), "checkpoint": str(args.checkpoint or DEFAULT_GENERATOR)}
+    seconds = round(time.perf_counter() - started, 2)
+    return {**scores, "seconds": seconds, "checkpoint": str(args.checkpoint or DEFAULT_GENERATOR), "weights": args.weights}
 
 
 def main() -> None:
@@ -68,6 +74,7 @@ def main() -> None:
     lm.add_argument("--checkpoint", default=None)
     for sub in (translate, lm):
         sub.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        sub.add_argument("--weights", choices=["float32", "int8"], default="float32", help="int8: quantised linear layers (CPU)")
     args = parser.parse_args()
     result = evaluate_translation(args) if args.command == "translate" else evaluate_lm(args)
     print(json.dumps(result))

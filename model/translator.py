@@ -36,6 +36,7 @@ class Translator(nn.Module):
         # Pre-LN stacks end with a LayerNorm; post-LN ones are already normalised.
         self.encoder_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
         self.decoder_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
+        self.output_projection: nn.Module | None = None  # set by model.quantize; None: tied to the embedding
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -70,6 +71,12 @@ class Translator(nn.Module):
             kv.append(layer.src_attn.project_key_value(memory))
         return kv
 
+    def project_logits(self, h: Tensor) -> Tensor:
+        """(B, T, d_model) -> (B, T, vocab): the embedding table transposed (tied), or its int8 copy."""
+        if self.output_projection is not None:
+            return self.output_projection(h)
+        return h @ self.embed.weight.T
+
     def decode(
         self,
         tgt_ids: Tensor,
@@ -90,7 +97,7 @@ class Translator(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             cache = caches[i] if caches is not None else None
             x = layer(x, self_mask, rope, cache, memory_kv[i], src_mask)
-        return self.decoder_norm(x) @ self.embed.weight.T  # tied output projection
+        return self.project_logits(self.decoder_norm(x))
 
     def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
         """Teacher-forced logits (B, T, vocab) for target inputs tgt_ids given source src_ids."""

@@ -4,7 +4,7 @@
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
@@ -31,7 +31,8 @@ class ModelServingConfig(BaseModel):
     name: str  # the model id clients see
     checkpoint: Path
     device: str = "auto"  # "auto": cuda when the replica has a GPU, else cpu
-    dtype: str = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    # "auto": bfloat16 on cuda, float32 on cpu; "int8": int8 linear layers on the CPU (model/quantize.py)
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
     engine: EngineConfig = EngineConfig()
     num_replicas: int | str = 1  # or "auto" with autoscaling_config
     autoscaling_config: dict[str, Any] | None = None  # Serve's AutoscalingConfig, checked by Serve

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from ray import serve
 
+from model.checkpoint import WeightType
 from model.sampling import SamplingParams
 from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
@@ -26,9 +27,13 @@ from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequ
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
 
 
-def resolve_device(config: ModelServingConfig) -> tuple[str, torch.dtype]:
+def resolve_device(config: ModelServingConfig) -> tuple[str, WeightType]:
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    if dtype_name == "int8":
+        if device != "cpu":
+            raise ValueError("dtype int8 runs on the CPU only (fbgemm); use bfloat16 or float16 on a GPU")
+        return device, "int8"
     return device, getattr(torch, dtype_name)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import load_checkpoint
+from model.checkpoint import WeightType, load_checkpoint
 from model.tokenizer import EOS_ID
 from service.engine.config import EngineConfig
 from service.engine.detokenizer import IncrementalDetokenizer
@@ -74,7 +74,7 @@ class Engine:
         self.on_step: Callable[[StepReport], None] | None = None  # e.g. metrics; called from the stepping thread
 
     @classmethod
-    def from_checkpoint(cls, directory: Path, config: EngineConfig, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "Engine":
+    def from_checkpoint(cls, directory: Path, config: EngineConfig, device: str = "cpu", dtype: WeightType = torch.float32) -> "Engine":
         model, tokenizer = load_checkpoint(directory, device, dtype)
         return cls(runner_for(model, tokenizer, config.n_slots), config)
 

@@ -1,10 +1,12 @@
 """On the shipped checkpoints: the engine's KV-cached, batched greedy decoding equals full
-recomputation token for token, for both models."""
+recomputation token for token, for both models, with float32 weights and with int8 weights
+(model/quantize.py: the int8 engine computes what the same int8 model computes alone)."""
 
+import pytest
 import torch
 
 from model.beam_search import beam_search
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
 from model.data import SHARED_DATA, pad, read_lines
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
 from model.sampling import GREEDY
@@ -14,9 +16,12 @@ from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from tests.engine.test_exactness import run
 
+WEIGHTS: list[WeightType] = [torch.float32, "int8"]
 
-def test_generator_engine_equals_recomputation_on_the_shipped_checkpoint() -> None:
-    engine = Engine.from_checkpoint(DEFAULT_GENERATOR, EngineConfig(n_slots=4))
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_generator_engine_equals_recomputation_on_the_shipped_checkpoint(weights: WeightType) -> None:
+    engine = Engine.from_checkpoint(DEFAULT_GENERATOR, EngineConfig(n_slots=4), "cpu", weights)
     prompts = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING"]
     requests = [
         Request(f"g{i}", engine.runner.encode_prompt(p), GenerationParams(sampling=GREEDY, max_tokens=30 + 10 * i))
@@ -46,9 +51,10 @@ def test_idle_rows_in_the_decode_span_leave_outputs_unchanged() -> None:
     assert engine.scheduler.slots.num_free == 8
 
 
-def test_translator_engine_equals_recomputation_on_the_shipped_checkpoint() -> None:
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_translator_engine_equals_recomputation_on_the_shipped_checkpoint(weights: WeightType) -> None:
     sentences = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")[:8]
-    engine = Engine.from_checkpoint(DEFAULT_TRANSLATOR, EngineConfig(n_slots=8))
+    engine = Engine.from_checkpoint(DEFAULT_TRANSLATOR, EngineConfig(n_slots=8), "cpu", weights)
     requests = [
         Request(f"t{i}", engine.runner.encode_prompt(s), GenerationParams(sampling=GREEDY, max_tokens=40)) for i, s in enumerate(sentences)
     ]

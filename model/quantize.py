@@ -1,0 +1,67 @@
+"""Int8 weights for CPU replicas, as CTranslate2's int8: every linear layer and the tied output
+projection keep int8 weights with one scale per output channel; each input row (token) is
+quantised to int8 with its own scale at every call, and the products accumulate in int32.
+
+Integer accumulation is exact and every scale belongs to one row or one output channel, so a
+row's output does not depend on the other rows of its batch: the batched engine computes what the
+same int8 model computes for one sequence alone. Embeddings, LayerNorms and attention stay float32.
+The weights are four times smaller; the outputs differ from float32's by rounding, so the path is
+held to quality bounds (tests/model/test_quantize.py).
+"""
+
+import torch
+from torch import Tensor, nn
+
+from model.generator import Generator
+from model.translator import Translator
+
+INT8_MAX = 127
+
+
+def _row_scales(x: Tensor) -> Tensor:
+    """(..., K) -> (..., 1): the scale that maps each row's largest magnitude to 127."""
+    return x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W (out, in) stored as int8 plus one float scale per output channel."""
+
+    weight_t: Tensor
+    scale: Tensor
+    bias: Tensor | None
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        scale = _row_scales(weight.detach().float())  # (out, 1)
+        quantized = torch.round(weight.detach().float() / scale).to(torch.int8)  # (out, in)
+        self.register_buffer("weight_t", quantized.T.contiguous())  # (in, out), the layout the GEMM reads
+        self.register_buffer("scale", scale.T.contiguous())  # (1, out)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.in_features, self.out_features = quantized.shape[1], quantized.shape[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (..., in) float32. Returns (..., out) float32."""
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        row_scale = _row_scales(rows)  # (N, 1)
+        quantized = torch.round(rows / row_scale).to(torch.int8)  # (N, in)
+        y = torch._int_mm(quantized, self.weight_t) * (row_scale * self.scale)  # (N, out): int32 sums, rescaled
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_int8(model: Translator | Generator) -> None:
+    """Replaces, in place, every nn.Linear of a float32 CPU model by an Int8Linear, and gives it an
+    int8 output projection (until now the embedding table read transposed; the embedding itself
+    stays float32)."""
+    assert next(model.parameters()).device.type == "cpu", "int8 weights run on the CPU only"
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear.from_linear(child))
+    model.output_projection = Int8Linear(model.embed.weight, None)
+    model.eval()
