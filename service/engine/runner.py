@@ -124,23 +124,37 @@ class GeneratorRunner:
             )
             tokens = _sample(logits, requests)
             return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
-        by_slot = {r.slots[0]: r for r in requests}
-        rows = decode_rows(list(by_slot))
-        # Idle rows feed a pad token at the last position, which every sequence writes before it reads it.
-        tokens_in = [by_slot[s].output_ids[-1] if s in by_slot else PAD_ID for s in rows]
-        positions_in = [_position(by_slot[s]) if s in by_slot else self.max_len - 1 for s in rows]
-        ids = torch.tensor(tokens_in, device=self.device)[:, None]  # (R, 1)
-        positions = torch.tensor(positions_in, device=self.device)[:, None]  # (R, 1)
-        length = max(_position(r) for r in requests) + 1
-        logits = self.model(ids, positions, self.cache.views(rows, positions, length), length)[:, -1]  # (R, V)
-        row_of = {s: i for i, s in enumerate(rows)}
-        tokens = _sample(logits[torch.tensor([row_of[r.slots[0]] for r in requests], device=self.device)], requests)
+        step = decode_step({r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests}, self.max_len, self.device)
+        views = self.cache.views(step.rows, step.positions, step.length)
+        logits = self.model(step.ids, step.positions, views, step.length)[:, -1]  # (R, V)
+        tokens = _sample(logits[torch.tensor([step.row_of[r.slots[0]] for r in requests], device=self.device)], requests)
         return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
 
 
 def _position(r: Request) -> int:
     """Position of the token a running generator request feeds this step (its latest)."""
     return len(r.prompt_ids) + len(r.output_ids) - 1
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """The cache rows one decode step runs and what each row is fed."""
+
+    rows: list[int]  # from decode_rows
+    row_of: dict[int, int]  # slot -> its row's index in the step's batch
+    ids: Tensor  # (R, 1) each row's token; idle rows a pad
+    positions: Tensor  # (R, 1) where it goes; idle rows the last position, which every sequence writes before it reads it
+    length: int  # keys attended over: the furthest position + 1
+
+
+def decode_step(fed: dict[int, tuple[int, int]], max_len: int, device: torch.device) -> DecodeStep:
+    """fed: slot -> (token, position) of every sequence running this step."""
+    rows = decode_rows(list(fed))
+    idle = (PAD_ID, max_len - 1)
+    ids = torch.tensor([[fed.get(s, idle)[0]] for s in rows], device=device)  # (R, 1)
+    positions = torch.tensor([[fed.get(s, idle)[1]] for s in rows], device=device)  # (R, 1)
+    length = max(position for _, position in fed.values()) + 1
+    return DecodeStep(rows, {s: i for i, s in enumerate(rows)}, ids, positions, length)
 
 
 def decode_rows(slots: list[int]) -> list[int]:
@@ -217,25 +231,21 @@ class TranslatorRunner:
 
     def _decode(self, requests: list[Request]) -> dict[str, StepResult]:
         """One decoder step for every running sequence (each beam a row). The step runs the span of
-        cache rows `decode_rows` picks, idle rows included (pad at the last position, as the
-        generator's), so the caches are read through views; then beams are reordered with one
-        copy of the written prefix for all reordered rows of the step."""
-        token_of, step_of = {}, {}
-        for r in requests:
-            step = self._step_of(r)
-            for slot, token in zip(r.slots, self._last_tokens(r), strict=True):
-                token_of[slot], step_of[slot] = token, step
-        rows = decode_rows(list(token_of))
-        row_of = {s: i for i, s in enumerate(rows)}
-        ids = torch.tensor([[token_of.get(s, PAD_ID)] for s in rows], device=self.device)  # (R, 1)
-        positions = torch.tensor([[step_of.get(s, self.max_len - 1)] for s in rows], device=self.device)  # (R, 1)
-        length = max(step_of.values()) + 1
-        memory_kv, src_mask = self.cross_cache.read(rows, max(len(r.prompt_ids) for r in requests))
-        logits = self.model.decode(ids, memory_kv, src_mask, positions, self.cache.views(rows, positions, length), length)[:, -1]
+        cache rows `decode_rows` picks, idle rows included (as the generator's), so the caches are
+        read through views; then beams are reordered with one copy of the written prefix for all
+        reordered rows of the step."""
+        fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
+        step = decode_step(fed, self.max_len, self.device)
+        memory_kv, src_mask = self.cross_cache.read(step.rows, max(len(r.prompt_ids) for r in requests))
+        views = self.cache.views(step.rows, step.positions, step.length)
+        logits = self.model.decode(step.ids, memory_kv, src_mask, step.positions, views, step.length)[:, -1]  # (R, V)
         results: dict[str, StepResult] = {}
-        beams = [r for r in requests if r.request_id in self._beams]
+        beams: list[Request] = []
+        streamed: list[Request] = []
+        for r in requests:
+            (beams if r.request_id in self._beams else streamed).append(r)
         if beams:
-            beam_rows = torch.tensor([row_of[s] for r in beams for s in r.slots], device=self.device)
+            beam_rows = torch.tensor([step.row_of[s] for r in beams for s in r.slots], device=self.device)
             log_probs = F.log_softmax(logits[beam_rows].float(), dim=-1).cpu()  # (sum of K, V)
             sources, targets, first = [], [], 0
             for r in beams:
@@ -243,16 +253,16 @@ class TranslatorRunner:
                 K = len(r.slots)
                 parents, tokens = state.step(log_probs[first : first + K])
                 first += K
-                if parents.tolist() != list(range(K)):  # reordered: rows take their parent's cache
-                    sources += [r.slots[p] for p in parents.tolist()]
+                parent_of = parents.tolist()
+                if parent_of != list(range(K)):  # reordered: rows take their parent's cache
+                    sources += [r.slots[p] for p in parent_of]
                     targets += r.slots
                 self._beam_tokens[r.request_id] = tokens.tolist()
                 results[r.request_id] = StepResult(hypotheses=state.best(r.params.n_best) if state.done else None)
             if sources:
-                self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), length)
-        streamed = [r for r in requests if r.request_id not in self._beams]
+                self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), step.length)
         if streamed:
-            streamed_rows = torch.tensor([row_of[r.slots[0]] for r in streamed], device=self.device)
+            streamed_rows = torch.tensor([step.row_of[r.slots[0]] for r in streamed], device=self.device)
             sampled = _sample(logits[streamed_rows], streamed)
             results.update({r.request_id: StepResult(token=t) for r, t in zip(streamed, sampled, strict=True)})
         return results
