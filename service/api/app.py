@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import libretranslate_routes, openai_routes, playground_routes, translation_routes
 from service.api.auth import ApiKeyMiddleware
-from service.api.backend import Backends
+from service.api.backend import Backends, model_of_path
 from service.api.errors import FailureHook, error_response, install_error_handlers, route_path
 from service.config import ServiceConfig
 
@@ -102,7 +102,7 @@ class EdgeMiddleware:
 HEALTH_PATHS = frozenset({"/healthz", "/health", "/readyz"})
 
 
-MODEL_OF_ROUTE = {"/v1/completions": "generator", "/v1/translate": "translator", "/translate": "translator"}
+ROUTERS = (openai_routes.router, translation_routes.router, libretranslate_routes.router, playground_routes.router)
 
 
 class AdmissionMiddleware:
@@ -114,6 +114,7 @@ class AdmissionMiddleware:
     def __init__(self, app: ASGIApp, max_in_flight: int, retry_after: int, on_failure: FailureHook | None, backends: Backends) -> None:
         self.app, self.max_in_flight, self.retry_after, self.on_failure = app, max_in_flight, retry_after, on_failure
         self.saturated = backends.saturated
+        self.model_of_path = model_of_path(ROUTERS)
         self.in_flight = 0
 
     async def refuse(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
@@ -130,7 +131,7 @@ class AdmissionMiddleware:
         if self.in_flight >= self.max_in_flight:
             await self.refuse(scope, receive, send, 503, "the server is busy; retry later")
             return
-        if time.monotonic() < self.saturated.get(MODEL_OF_ROUTE.get(path, ""), 0.0):
+        if time.monotonic() < self.saturated.get(self.model_of_path.get(path, ""), 0.0):
             await self.refuse(scope, receive, send, 429, "the model's queue is full; retry later")
             return
         self.in_flight += 1
@@ -176,10 +177,8 @@ def create_api(
         on_failure=on_failure,
         backends=backends,
     )
-    api.include_router(openai_routes.router)
-    api.include_router(translation_routes.router)
-    api.include_router(libretranslate_routes.router)
-    api.include_router(playground_routes.router)
+    for router in ROUTERS:
+        api.include_router(router)
     api.mount("/static", StaticFiles(directory=playground_routes.STATIC), name="static")
 
     @api.get("/healthz", tags=["health"])

@@ -1,9 +1,12 @@
 """How the HTTP layer reaches a model: a stream of protocol items (service/protocol.py) from a
 model deployment, turned into HTTP statuses here and nowhere else."""
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from fastapi import APIRouter
+from fastapi.routing import APIRoute
 
 from service.api.errors import APIError
 from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, RefusalKind
@@ -27,6 +30,20 @@ class Backends:
     # before the request is read: set when Serve's queue for it refused a request, for the
     # Retry-After it answered, and dropped as soon as one of its requests finishes.
     saturated: dict[str, float] = field(default_factory=dict)
+
+
+# A route's OpenAPI extension naming the model ("translator", "generator") its requests go to.
+MODEL_EXTENSION = "x-model"
+
+
+def model_of_path(routers: Iterable[APIRouter]) -> dict[str, str]:
+    """Path -> the model its requests reach, for every route that declares one (MODEL_EXTENSION)."""
+    return {
+        route.path: route.openapi_extra[MODEL_EXTENSION]
+        for router in routers
+        for route in router.routes
+        if isinstance(route, APIRoute) and route.openapi_extra and MODEL_EXTENSION in route.openapi_extra
+    }
 
 
 STATUS_OF_REFUSAL: dict[RefusalKind, int] = {"invalid": 400, "overloaded": 429, "unavailable": 503}

@@ -8,6 +8,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 
+from service.api.backend import MODEL_EXTENSION
 from service.api.errors import APIError
 from service.api.language_id import detect_languages
 from service.api.schemas import DetectRequest, LibreTranslateRequest
@@ -72,7 +73,7 @@ async def read_libretranslate_body(request: Request, schema: type[Body]) -> Body
     "/translate",
     tags=["libretranslate"],
     responses={400: {"description": "Invalid request"}, 429: {"description": "Overloaded"}},
-    openapi_extra=libretranslate_body(LibreTranslateRequest),
+    openapi_extra={**libretranslate_body(LibreTranslateRequest), MODEL_EXTENSION: "translator"},
 )
 async def libretranslate(request: Request) -> dict[str, Any]:
     """LibreTranslate's translate: text or HTML, one or a list; `alternatives` are the beam's n-best."""

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.backend import Backends, final_chunk, open_stream
+from service.api.backend import MODEL_EXTENSION, Backends, final_chunk, open_stream
 from service.api.errors import APIError
 from service.api.schemas import CompletionRequest
 from service.api.streams import ERROR_RESPONSES, sse, sse_error
@@ -59,7 +59,7 @@ def generate_request(body: CompletionRequest, config: ServiceConfig) -> Generate
     )
 
 
-@router.post("/v1/completions", tags=["openai"], responses=ERROR_RESPONSES)
+@router.post("/v1/completions", tags=["openai"], responses=ERROR_RESPONSES, openapi_extra={MODEL_EXTENSION: "generator"})
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     """OpenAI completions; `stream: true` answers with server-sent events in OpenAI's format."""
     config: ServiceConfig = request.app.state.config

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.backend import Backends, attention_map, open_stream
+from service.api.backend import MODEL_EXTENSION, Backends, attention_map, open_stream
 from service.api.errors import APIError
 from service.api.schemas import TranslateRequest
 from service.api.sentences import Span
@@ -30,7 +30,7 @@ from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequ
 router = APIRouter()
 
 
-@router.post("/v1/translate", tags=["translation"], responses=ERROR_RESPONSES)
+@router.post("/v1/translate", tags=["translation"], responses=ERROR_RESPONSES, openapi_extra={MODEL_EXTENSION: "translator"})
 async def translate(body: TranslateRequest, request: Request) -> Any:
     """English -> German, sentence by sentence. Beam search with n-best `alternatives`;
     `format: "html"` translates the text of HTML documents and keeps their markup; `stream: true`

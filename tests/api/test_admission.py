@@ -77,3 +77,22 @@ def test_a_saturated_model_is_refused_before_its_request_is_read() -> None:
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_error"
     assert admitted.status_code == 200
+
+
+def test_a_saturated_translator_refuses_its_routes_only() -> None:
+    backend = HeldBackend()
+    backend.release.set()
+    backends = Backends(backend, backend)
+    api = create_api(ServiceConfig(), backends)
+    backends.saturated["translator"] = time.monotonic() + 60
+
+    async def main() -> dict[str, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://ingress") as http:
+            return {
+                "/v1/translate": (await http.post("/v1/translate", json={"text": "A dog."})).status_code,
+                "/translate": (await http.post("/translate", json={"q": "A dog.", "source": "en", "target": "de"})).status_code,
+                "/v1/completions": (await http.post("/v1/completions", json={"prompt": "x"})).status_code,
+                "/languages": (await http.get("/languages")).status_code,
+            }
+
+    assert asyncio.run(main()) == {"/v1/translate": 429, "/translate": 429, "/v1/completions": 200, "/languages": 200}
