@@ -3,6 +3,7 @@ this process, at the same concurrency, side by side in one run.
 
     python -m benchmarks.serving [--json] [--quick] [--out benchmarks/results/serving.json] [--tokens 64]
                                  [--requests-per-client 4] [--repeats 2]
+                                 [--stream-interval-ms 50]
 
 Starts its own Ray and Serve app on 127.0.0.1 (the default ServiceConfig, the generator on the
 CPU with one torch thread) and, in this process, the engine a replica runs: the generator's
@@ -73,10 +74,12 @@ class Run:
         return sum(self.tokens) / self.seconds
 
 
-def served_config() -> ServiceConfig:
-    """The default service, its generator on the CPU with TORCH_THREADS threads."""
+def served_config(stream_interval_ms: float) -> ServiceConfig:
+    """The default service, its generator on the CPU with TORCH_THREADS threads and the given stream interval."""
     default = ServiceConfig()
-    return default.model_copy(update={"generator": default.generator.model_copy(update={"device": "cpu", "torch_threads": TORCH_THREADS})})
+    update = {"device": "cpu", "torch_threads": TORCH_THREADS, "stream_interval_ms": stream_interval_ms}
+    generator = default.generator.model_copy(update=update)
+    return default.model_copy(update={"generator": generator})
 
 
 def check_finish(finish_reason: str | None, tokens: int, max_tokens: int) -> None:
@@ -220,6 +223,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of every completion")
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each mode at each concurrency, the best kept")
+    parser.add_argument("--stream-interval-ms", type=float, default=ServiceConfig().generator.stream_interval_ms)
     parser.add_argument("--quick", action="store_true", help="one request per client, one repeat: to check the script")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serving.json"))
@@ -232,7 +236,7 @@ def main() -> None:
     from service.app import build_app
     from service.deployments import resolve_device
 
-    config = served_config()
+    config = served_config(args.stream_interval_ms)
     started = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=40)  # errors only
     try:
@@ -258,6 +262,7 @@ def main() -> None:
         "requests_per_client": requests_per_client,
         "repeats": repeats,
         "torch_threads": TORCH_THREADS,
+        "stream_interval_ms": args.stream_interval_ms,
         **figures(runs),
         "seconds": round(time.perf_counter() - started, 1),
     }
