@@ -11,9 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.engine.config import EngineConfig
 
-# Ray Serve's proxy must start within 5 s by default; on a busy 2-core machine it may not, and is
-# then killed and restarted in a loop. These are set for Ray's processes before `ray.init`.
-RAY_ENVIRONMENT = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+# Set for Ray's processes before `ray.init`. Ray Serve's proxy must start within 5 s by default; on
+# a busy 2-core machine it may not, and is then killed and restarted in a loop. Ray starts its
+# workers, the model replicas among them, at niceness 15, below its own daemons: on a node whose
+# cores are all busy a replica's engine then loses CPU to them (on 2 cores, 32 streams: the engine
+# thread ran 0.45 CPU-seconds a second at 15 and 0.54 at 0, 913 and 1,093 tokens/s).
+RAY_ENVIRONMENT = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+    "RAY_worker_niceness": "0",
+}
 # On Linux, Ray turns a node address of 127.0.0.1 into the machine's own address, and its GCS,
 # raylet, agents and metrics export then listen on every interface. Its local-only mode (the
 # default on macOS and Windows) keeps the node, and all of them, on 127.0.0.1. Ray reads this
