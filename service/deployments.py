@@ -32,7 +32,7 @@ def resolve_device(config: ModelServingConfig) -> tuple[str, WeightType]:
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     if dtype_name == "int8":
         if device != "cpu":
-            raise ValueError("dtype int8 runs on the CPU only (fbgemm); use bfloat16 or float16 on a GPU")
+            raise ValueError("dtype int8 runs on the CPU only (model/quantize.py); use bfloat16 or float16 on a GPU")
         return device, "int8"
     return device, getattr(torch, dtype_name)
 
