@@ -22,6 +22,8 @@ RUN pip install .
 RUN useradd --create-home --uid 1000 --shell /bin/bash ray && install -d -o ray /tmp/ray
 USER ray
 ENV RAY_USAGE_STATS_ENABLED=0
+# Two malloc arenas per process: with one per thread the ingress's memory crept up (service/config.py).
+ENV MALLOC_ARENA_MAX=2
 # Serve's HTTP proxy (deploy/serve_config.gpu.yaml binds 0.0.0.0 inside the container only) and
 # Ray's Prometheus metrics.
 EXPOSE 8000 8080
