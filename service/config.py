@@ -77,6 +77,16 @@ class ModelServingConfig(BaseModel):
         requests take beam_size slots each; those the engine refuses itself, also with a 429."""
         return self.engine.n_slots + self.engine.max_waiting
 
+    @property
+    def max_requests_held(self) -> int | None:
+        """What all replicas hold at once (max_ongoing_requests each), with a fixed number of
+        replicas: the ingress sends the model no more and refuses the rest before reading them
+        (service/api/backend.py ModelLoad). None when autoscaled: the number of replicas moves,
+        and Serve's backpressure is the limit."""
+        if self.autoscaling_config is not None or not isinstance(self.num_replicas, int):
+            return None
+        return self.num_replicas * self.max_ongoing_requests
+
 
 class ServiceConfig(BaseModel):
     # hide_input_in_errors: a misspelt API key must not be printed back in the validation error.

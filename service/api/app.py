@@ -107,13 +107,14 @@ ROUTERS = (openai_routes.router, translation_routes.router, libretranslate_route
 
 class AdmissionMiddleware:
     """Refuses at once, before reading anything, with Retry-After and the documented body: past
-    max_in_flight requests at once (streams count until they end), 503; a route whose model's
-    queue refused a request within the last Retry-After and has finished none since
-    (`Backends.saturated`), 429, as the full path would answer. Health checks always pass."""
+    max_in_flight requests at once (streams count until they end), 503; a route whose model is
+    full (`Backends.load`: as many of its requests in flight as its replicas hold, or its queue
+    refused one within the last Retry-After), 429, as the full path would answer. Health checks
+    always pass."""
 
     def __init__(self, app: ASGIApp, max_in_flight: int, retry_after: int, on_failure: FailureHook | None, backends: Backends) -> None:
         self.app, self.max_in_flight, self.retry_after, self.on_failure = app, max_in_flight, retry_after, on_failure
-        self.saturated = backends.saturated
+        self.load = backends.load
         self.model_of_path = model_of_path(ROUTERS)
         self.in_flight = 0
 
@@ -131,7 +132,8 @@ class AdmissionMiddleware:
         if self.in_flight >= self.max_in_flight:
             await self.refuse(scope, receive, send, 503, "the server is busy; retry later")
             return
-        if time.monotonic() < self.saturated.get(self.model_of_path.get(path, ""), 0.0):
+        model = self.model_of_path.get(path)
+        if model is not None and self.load[model].full():
             await self.refuse(scope, receive, send, 429, "the model's queue is full; retry later")
             return
         self.in_flight += 1

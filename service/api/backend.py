@@ -1,6 +1,7 @@
 """How the HTTP layer reaches a model: a stream of protocol items (service/protocol.py) from a
 model deployment, turned into HTTP statuses here and nowhere else."""
 
+import time
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,13 +24,34 @@ class ModelBackend(Protocol):
 
 
 @dataclass
+class ModelLoad:
+    """What the ingress knows of one model's load, kept by its backend (service/ingress.py): the
+    model's requests it has in flight, the most it sends at once (what the model's replicas hold;
+    None: no limit of its own, as for an autoscaled deployment), and until when (time.monotonic())
+    Serve's queue for the model is taken to be full: set when it refused a request, for the
+    Retry-After it answered, and cleared as soon as one of the model's requests finishes."""
+
+    max_in_flight: int | None = None
+    in_flight: int = 0
+    refused_until: float = 0.0
+
+    def full(self) -> bool:
+        """A new request would be refused: refuse it before reading it."""
+        at_limit = self.max_in_flight is not None and self.in_flight >= self.max_in_flight
+        return at_limit or time.monotonic() < self.refused_until
+
+
+def _both_models() -> dict[str, ModelLoad]:
+    return {"translator": ModelLoad(), "generator": ModelLoad()}
+
+
+@dataclass
 class Backends:
     translator: ModelBackend
     generator: ModelBackend
-    # Model ("translator", "generator") -> until when (time.monotonic()) its routes are refused
-    # before the request is read: set when Serve's queue for it refused a request, for the
-    # Retry-After it answered, and dropped as soon as one of its requests finishes.
-    saturated: dict[str, float] = field(default_factory=dict)
+    # Model ("translator", "generator") -> its load; the admission middleware refuses the routes of
+    # a full model at once (service/api/app.py).
+    load: dict[str, ModelLoad] = field(default_factory=_both_models)
 
 
 # A route's OpenAPI extension naming the model ("translator", "generator") its requests go to.

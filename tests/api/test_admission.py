@@ -1,5 +1,6 @@
-"""The ingress's own refusal: past ingress_max_in_flight requests at once, a 503 with Retry-After
-and the documented body, before anything is parsed; health checks still answer."""
+"""The ingress's own refusals, before anything is parsed: past ingress_max_in_flight requests at
+once, a 503 with Retry-After and the documented body (health checks still answer); a full model's
+routes, a 429."""
 
 import asyncio
 import time
@@ -63,12 +64,12 @@ def test_a_saturated_model_is_refused_before_its_request_is_read() -> None:
     backend = HeldBackend()
     backends = Backends(backend, backend)
     api = create_api(ServiceConfig(), backends)
-    backends.saturated["generator"] = time.monotonic() + 60  # as RayBackend marks it on Serve's backpressure
+    backends.load["generator"].refused_until = time.monotonic() + 60  # as RayBackend marks it on Serve's backpressure
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://ingress") as http:
             refused = await http.post("/v1/completions", content=b"not even JSON")
-            backends.saturated["generator"] = time.monotonic() - 1  # its Retry-After has passed
+            backends.load["generator"].refused_until = time.monotonic() - 1  # its Retry-After has passed
             backend.release.set()
             admitted = await http.post("/v1/completions", json={"prompt": "x"})
             return refused, admitted
@@ -84,7 +85,7 @@ def test_a_saturated_translator_refuses_its_routes_only() -> None:
     backend.release.set()
     backends = Backends(backend, backend)
     api = create_api(ServiceConfig(), backends)
-    backends.saturated["translator"] = time.monotonic() + 60
+    backends.load["translator"].refused_until = time.monotonic() + 60
 
     async def main() -> dict[str, int]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://ingress") as http:
@@ -96,3 +97,26 @@ def test_a_saturated_translator_refuses_its_routes_only() -> None:
             }
 
     assert asyncio.run(main()) == {"/v1/translate": 429, "/translate": 429, "/v1/completions": 200, "/languages": 200}
+
+
+def test_a_model_with_all_it_holds_in_flight_is_refused_before_its_request_is_read() -> None:
+    backend = HeldBackend()
+    backend.release.set()
+    backends = Backends(backend, backend)
+    api = create_api(ServiceConfig(), backends)
+    generator = backends.load["generator"]
+    generator.max_in_flight, generator.in_flight = 2, 2  # as RayBackend counts its streams
+
+    async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://ingress") as http:
+            refused = await http.post("/v1/completions", content=b"not even JSON")
+            translated = await http.post("/v1/translate", json={"text": "A dog."})
+            generator.in_flight = 1  # one of them finished
+            admitted = await http.post("/v1/completions", json={"prompt": "x"})
+            return refused, translated, admitted
+
+    refused, translated, admitted = asyncio.run(main())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert backend.started == 2  # the translation and the admitted completion, never the refused one
+    assert translated.status_code == 200 and admitted.status_code == 200
