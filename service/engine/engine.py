@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from model.checkpoint import WeightType, load_checkpoint
+from model.packed_linear import pack_linear_layers, packing_available
 from model.tokenizer import EOS_ID
 from service.engine.config import EngineConfig
 from service.engine.detokenizer import IncrementalDetokenizer
@@ -76,6 +77,8 @@ class Engine:
     @classmethod
     def from_checkpoint(cls, directory: Path, config: EngineConfig, device: str = "cpu", dtype: WeightType = torch.float32) -> "Engine":
         model, tokenizer = load_checkpoint(directory, device, dtype)
+        if torch.device(device).type == "cpu" and dtype == torch.float32 and packing_available():
+            pack_linear_layers(model)  # oneDNN GEMMs for the decode steps' many-row batches
         return cls(runner_for(model, tokenizer, config.n_slots), config)
 
     def max_tokens_limit(self, prompt_length: int) -> int:

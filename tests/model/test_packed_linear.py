@@ -1,0 +1,70 @@
+"""PackedLinear (oneDNN, pre-packed weights) computes what nn.Linear computes, up to float32
+rounding, and on the shipped checkpoints the packed models decode the same tokens as the plain ones."""
+
+import pytest
+import torch
+from torch import nn
+
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from model.data import SHARED_DATA, pad, read_lines
+from model.generator import Generator
+from model.packed_linear import PackedLinear, pack_linear_layers, packing_available
+from model.reference_decoding import generate_greedy_uncached
+from model.tokenizer import EOS_ID
+from model.translate import greedy_translate
+from model.translator import Translator
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (3, 256), (64, 256), (2, 5, 256), (1, 1, 256)])
+def test_packed_linear_equals_the_plain_layer(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    plain = nn.Linear(256, 1024)
+    packed = PackedLinear(plain.weight, plain.bias)
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        expected, got = plain(x), packed(x)
+    assert got.shape == expected.shape == (*shape[:-1], 1024)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_with_gradients_the_plain_weight_computes_exactly() -> None:
+    torch.manual_seed(0)
+    plain = nn.Linear(256, 256)
+    packed = PackedLinear(plain.weight, plain.bias)
+    x = torch.randn(8, 256)
+    with torch.enable_grad():
+        assert torch.equal(packed(x), plain(x))
+
+
+def test_packing_replaces_every_linear_and_keeps_the_embedding_tied() -> None:
+    model, _ = load_checkpoint(DEFAULT_GENERATOR)
+    assert isinstance(model, Generator)
+    pack_linear_layers(model)
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.output_projection, PackedLinear)
+    assert model.output_projection.weight.data_ptr() == model.embed.weight.data_ptr()
+
+
+def test_packed_translator_translates_as_the_plain_one() -> None:
+    plain, tokenizer = load_checkpoint(DEFAULT_TRANSLATOR)
+    packed, _ = load_checkpoint(DEFAULT_TRANSLATOR)
+    assert isinstance(plain, Translator) and isinstance(packed, Translator)
+    pack_linear_layers(packed)
+    sentences = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")[:32]
+    src = pad([tokenizer.encode(s) + [EOS_ID] for s in sentences])  # (B, S)
+    tgt = src[:, :12]  # any target ids will do for comparing logits
+    with torch.inference_mode():
+        assert torch.allclose(packed(src, tgt), plain(src, tgt), atol=1e-4)  # (B, T, V)
+        assert greedy_translate(packed, src, 60) == greedy_translate(plain, src, 60)
+
+
+def test_packed_generator_generates_as_the_plain_one() -> None:
+    plain, tokenizer = load_checkpoint(DEFAULT_GENERATOR)
+    packed, _ = load_checkpoint(DEFAULT_GENERATOR)
+    pack_linear_layers(packed)  # type: ignore[arg-type]
+    for prompt in ["ROMEO:\n", "KING HENRY:\nNow"]:
+        ids = tokenizer.encode(prompt)
+        with torch.inference_mode():
+            assert generate_greedy_uncached(packed, ids, 40) == generate_greedy_uncached(plain, ids, 40)
