@@ -23,6 +23,14 @@ def cache_rows(slots: Sequence[int] | Tensor, device: torch.device) -> tuple[Ten
     return index, slice(first, first + len(slots)) if consecutive else index
 
 
+def read_rows(cache: Tensor, rows: Tensor | slice, length: int) -> Tensor:
+    """cache (N, H, L, D) -> (B, H, length, D): a view for a slice of rows, else a gathered copy
+    (index_select: several times faster on the CPU than indexing with the tensor)."""
+    if isinstance(rows, slice):
+        return cache[rows, :, :length]
+    return cache[:, :, :length].index_select(0, rows)
+
+
 @dataclass
 class CacheView:
     """One layer's cache, bound to the rows (slots) and positions of the current step."""
@@ -39,7 +47,7 @@ class CacheView:
         rows = self.slots[:, None]  # (B, 1) broadcast against positions (B, T)
         self.keys[rows, :, self.positions] = k.transpose(1, 2).to(self.keys.dtype)  # indexed as (B, T, H, D)
         self.values[rows, :, self.positions] = v.transpose(1, 2).to(self.values.dtype)
-        return self.keys[self.rows, :, : self.length], self.values[self.rows, :, : self.length]
+        return read_rows(self.keys, self.rows, self.length), read_rows(self.values, self.rows, self.length)
 
 
 class LayerCaches:
@@ -65,10 +73,8 @@ class LayerCaches:
         """Row dst[i] becomes a copy of row src[i] (beam search reordering), positions [0, length)
         only (default: all); sources are read first."""
         for cache in self.keys + self.values:
-            if length is None:
-                cache[dst] = cache[src]
-            else:
-                cache[dst, :, :length] = cache[src, :, :length]
+            prefix = cache if length is None else cache[:, :, :length]  # a view: the copy writes the cache
+            prefix.index_copy_(0, dst, prefix.index_select(0, src))
 
     @property
     def nbytes(self) -> int:
@@ -114,8 +120,9 @@ class CrossAttentionCache(LayerCaches):
     def read(self, slots: Sequence[int] | Tensor, length: int) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
         """Keys/values (B, H, length, D) per layer and the source mask (B, 1, 1, length)."""
         _, rows = cache_rows(slots, self.src_valid.device)
-        kv = [(k[rows, :, :length], v[rows, :, :length]) for k, v in zip(self.keys, self.values, strict=True)]
-        return kv, self.src_valid[rows, :length][:, None, None, :]
+        kv = [(read_rows(k, rows, length), read_rows(v, rows, length)) for k, v in zip(self.keys, self.values, strict=True)]
+        valid = self.src_valid[rows, :length] if isinstance(rows, slice) else self.src_valid[:, :length].index_select(0, rows)
+        return kv, valid[:, None, None, :]
 
     def copy_slots(self, src: Tensor, dst: Tensor, length: int | None = None) -> None:
         super().copy_slots(src, dst, length)

@@ -127,7 +127,7 @@ class GeneratorRunner:
         step = decode_step({r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests}, self.max_len, self.device)
         views = self.cache.views(step.rows, step.positions, step.length)
         logits = self.model(step.ids, step.positions, views, step.length)[:, -1]  # (R, V)
-        tokens = _sample(logits[torch.tensor([step.row_of[r.slots[0]] for r in requests], device=self.device)], requests)
+        tokens = _sample(logits.index_select(0, torch.tensor([step.row_of[r.slots[0]] for r in requests], device=self.device)), requests)
         return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
 
 
@@ -233,7 +233,7 @@ class TranslatorRunner:
         """One decoder step for every running sequence (each beam a row). The step runs the span of
         cache rows `decode_rows` picks, idle rows included (as the generator's), so the caches are
         read through views; then beams are reordered with one copy of the written prefix for all
-        reordered rows of the step."""
+        rows of the step that take another row's cache."""
         fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
         step = decode_step(fed, self.max_len, self.device)
         memory_kv, src_mask = self.cross_cache.read(step.rows, max(len(r.prompt_ids) for r in requests))
@@ -246,24 +246,24 @@ class TranslatorRunner:
             (beams if r.request_id in self._beams else streamed).append(r)
         if beams:
             beam_rows = torch.tensor([step.row_of[s] for r in beams for s in r.slots], device=self.device)
-            log_probs = F.log_softmax(logits[beam_rows].float(), dim=-1).cpu()  # (sum of K, V)
+            log_probs = F.log_softmax(logits.index_select(0, beam_rows).float(), dim=-1).cpu()  # (sum of K, V)
             sources, targets, first = [], [], 0
             for r in beams:
                 state = self._beams[r.request_id]
                 K = len(r.slots)
                 parents, tokens = state.step(log_probs[first : first + K])
                 first += K
-                parent_of = parents.tolist()
-                if parent_of != list(range(K)):  # reordered: rows take their parent's cache
-                    sources += [r.slots[p] for p in parent_of]
-                    targets += r.slots
+                for beam, parent in enumerate(parents.tolist()):
+                    if parent != beam:  # this row takes its parent's cache; a row that continues itself keeps its own
+                        sources.append(r.slots[parent])
+                        targets.append(r.slots[beam])
                 self._beam_tokens[r.request_id] = tokens.tolist()
                 results[r.request_id] = StepResult(hypotheses=state.best(r.params.n_best) if state.done else None)
             if sources:
                 self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), step.length)
         if streamed:
             streamed_rows = torch.tensor([step.row_of[r.slots[0]] for r in streamed], device=self.device)
-            sampled = _sample(logits[streamed_rows], streamed)
+            sampled = _sample(logits.index_select(0, streamed_rows), streamed)
             results.update({r.request_id: StepResult(token=t) for r, t in zip(streamed, sampled, strict=True)})
         return results
 
