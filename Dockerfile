@@ -24,6 +24,8 @@ USER ray
 ENV RAY_USAGE_STATS_ENABLED=0
 # Two malloc arenas per process: with one per thread the ingress's memory crept up (service/config.py).
 ENV MALLOC_ARENA_MAX=2
+# Deployment handles over Serve's gRPC transport: cheaper per streamed chunk (service/config.py).
+ENV RAY_SERVE_USE_GRPC_BY_DEFAULT=1
 # Serve's HTTP proxy (deploy/serve_config.gpu.yaml binds 0.0.0.0 inside the container only) and
 # Ray's Prometheus metrics.
 EXPOSE 8000 8080
