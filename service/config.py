@@ -75,9 +75,10 @@ class ModelServingConfig(BaseModel):
     @property
     def max_ongoing_requests(self) -> int:
         """As many requests as the engine's slots and queue hold (one request a slot, as greedy
-        requests take): Serve sends no more to a replica, so past it the ingress's handle refuses
-        at once (BackPressureError, a 429) instead of a replica refusing after the trip. Beam
-        requests take beam_size slots each; those the engine refuses itself, also with a 429."""
+        requests take): Serve sends no more to a replica. The ingress sends the model no more
+        than all its replicas hold (max_requests_held); past Serve's queue its handle refuses at
+        once (BackPressureError, a 429). Beam requests take beam_size slots each; those the
+        engine refuses itself, also with a 429."""
         return self.engine.n_slots + self.engine.max_waiting
 
     @property
