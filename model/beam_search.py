@@ -43,12 +43,16 @@ class BeamState:
     def step(self, log_probs: Tensor) -> tuple[Tensor, Tensor]:
         """log_probs: (K, V) for the live beams. Returns (parents, tokens), each (K,): live beam i
         continues beam parents[i] with tokens[i]."""
-        K, V = log_probs.shape
-        candidates = (self.scores[:, None] + log_probs.float().cpu()).view(-1)  # (K * V,)
-        top_scores, top_index = candidates.topk(2 * K)
+        ((parents, tokens),) = step_beams([self], log_probs)
+        return torch.tensor(parents), torch.tensor(tokens)
+
+    def advance(self, top_scores: list[float], top_index: list[int], vocab_size: int) -> tuple[list[int], list[int]]:
+        """Takes the step given this sentence's 2K best candidates (scores, and indices into its
+        flattened (K, V) beam x token scores), best first. Returns (parents, tokens), K each."""
+        K = self.beam_size
         parents, tokens, scores = [], [], []
-        for rank, (score, index) in enumerate(zip(top_scores.tolist(), top_index.tolist(), strict=True)):
-            parent, token = divmod(index, V)
+        for rank, (score, index) in enumerate(zip(top_scores, top_index, strict=True)):
+            parent, token = divmod(index, vocab_size)
             if token == EOS_ID:
                 if rank < K:  # an ending only counts if it is among the K best candidates
                     sequence = self.sequences[parent]
@@ -63,7 +67,7 @@ class BeamState:
         self.scores = torch.tensor(scores)
         if len(self.finished) >= K or len(self.sequences[0]) >= self.max_new_tokens:
             self.done = True
-        return torch.tensor(parents), torch.tensor(tokens)
+        return parents, tokens
 
     def best(self, n: int) -> list[Hypothesis]:
         """The n best hypotheses; unfinished beams count when fewer than n have ended."""
@@ -73,6 +77,29 @@ class BeamState:
                 Hypothesis(s, self._normalised(float(sc), len(s) + 1)) for s, sc in zip(self.sequences, self.scores.tolist(), strict=True)
             ]
         return sorted(pool, key=lambda h: h.score, reverse=True)[:n]
+
+
+def step_beams(states: list[BeamState], log_probs: Tensor) -> list[tuple[list[int], list[int]]]:
+    """One step of several sentences' searches: log_probs (sum of their beam sizes, V), each
+    sentence's live beams in order. One top-k serves all the sentences of a beam size. Returns
+    each sentence's (parents, tokens), as BeamState.step."""
+    V = log_probs.shape[-1]
+    log_probs = log_probs.float().cpu()
+    starts = [0]
+    for state in states:
+        starts.append(starts[-1] + state.beam_size)
+    moves: list[tuple[list[int], list[int]]] = [([], [])] * len(states)
+    for K in sorted({state.beam_size for state in states}):
+        group = [i for i, state in enumerate(states) if state.beam_size == K]
+        rows = log_probs  # (G * K, V): every sentence has this beam size, the usual case
+        if len(group) < len(states):
+            rows = log_probs.index_select(0, torch.tensor([starts[i] + k for i in group for k in range(K)]))
+        scores = torch.stack([states[i].scores for i in group])  # (G, K)
+        candidates = (scores[:, :, None] + rows.view(len(group), K, V)).view(len(group), K * V)
+        top_scores, top_index = candidates.topk(2 * K, dim=-1)  # (G, 2K) each
+        for i, best_scores, best_index in zip(group, top_scores.tolist(), top_index.tolist(), strict=True):
+            moves[i] = states[i].advance(best_scores, best_index, V)
+    return moves
 
 
 @torch.no_grad()
@@ -107,11 +134,8 @@ def beam_search(
             cache_length=t + 1,
         )  # (A*K, 1, V)
         log_probs = F.log_softmax(logits[:, -1].float(), dim=-1).view(len(active), K, -1)
-        src_rows, new_tokens = [], []
-        for j, i in enumerate(active):
-            parents, step_tokens = states[i].step(log_probs[j])
-            src_rows.append(parents + i * K)
-            new_tokens.append(step_tokens)
-        cache.copy_slots(torch.cat(src_rows).to(src.device), rows)
-        tokens[rows] = torch.cat(new_tokens).to(src.device)
+        moves = step_beams([states[i] for i in active], log_probs.view(len(active) * K, -1))
+        src_rows = [p + i * K for i, (parents, _) in zip(active, moves, strict=True) for p in parents]
+        cache.copy_slots(torch.tensor(src_rows, device=src.device), rows)
+        tokens[rows] = torch.tensor([t for _, step_tokens in moves for t in step_tokens], device=src.device)
     return [s.best(n_best) for s in states]

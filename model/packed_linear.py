@@ -20,6 +20,16 @@ from model.translator import Translator
 
 # oneDNN picks its blocked layout for this many rows: the engine's typical decode batch.
 PACKED_FOR_ROWS = 64
+# oneDNN keeps a compiled kernel, with memory of its own, for every number of rows it has seen
+# (hundreds of MB for a replica that sees every count up to 256), so the packed path runs a few
+# row counts only: inputs are padded up to the next of 2, 4, 8, 16, then multiples of 16, and
+# more than MAX_PACKED_ROWS rows (a long prefill) take the plain path.
+MAX_PACKED_ROWS = 256
+
+
+def padded_rows(n: int) -> int:
+    """The row count the packed path runs for n rows: 19 counts in all up to MAX_PACKED_ROWS."""
+    return 1 << (n - 1).bit_length() if n <= 16 else -(-n // 16) * 16
 
 
 def packing_available() -> bool:
@@ -44,11 +54,15 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., in) float32. Returns (..., out)."""
-        if x.numel() == self.in_features or torch.is_grad_enabled():
+        n = x.numel() // self.in_features
+        if n == 1 or n > MAX_PACKED_ROWS or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, self.in_features)  # (N, in)
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # (N, out)
-        return y.view(*x.shape[:-1], self.out_features)
+        rows = x.reshape(n, self.in_features)  # (N, in)
+        padded = padded_rows(n)
+        if padded > n:
+            rows = F.pad(rows, (0, 0, 0, padded - n))  # (P, in): zero rows, dropped below
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # (P, out)
+        return y[:n].view(*x.shape[:-1], self.out_features)
 
 
 def pack_linear_layers(model: Translator | Generator) -> None:

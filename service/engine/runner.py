@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.beam_search import BeamState, Hypothesis
+from model.beam_search import BeamState, Hypothesis, step_beams
 from model.data import pad
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, KVCache
@@ -246,18 +246,15 @@ class TranslatorRunner:
             (beams if r.request_id in self._beams else streamed).append(r)
         if beams:
             beam_rows = torch.tensor([step.row_of[s] for r in beams for s in r.slots], device=self.device)
-            log_probs = F.log_softmax(logits.index_select(0, beam_rows).float(), dim=-1).cpu()  # (sum of K, V)
-            sources, targets, first = [], [], 0
-            for r in beams:
-                state = self._beams[r.request_id]
-                K = len(r.slots)
-                parents, tokens = state.step(log_probs[first : first + K])
-                first += K
-                for beam, parent in enumerate(parents.tolist()):
+            log_probs = F.log_softmax(logits.index_select(0, beam_rows).float(), dim=-1)  # (sum of K, V)
+            states = [self._beams[r.request_id] for r in beams]
+            sources, targets = [], []
+            for r, state, (parents, tokens) in zip(beams, states, step_beams(states, log_probs), strict=True):
+                for beam, parent in enumerate(parents):
                     if parent != beam:  # this row takes its parent's cache; a row that continues itself keeps its own
                         sources.append(r.slots[parent])
                         targets.append(r.slots[beam])
-                self._beam_tokens[r.request_id] = tokens.tolist()
+                self._beam_tokens[r.request_id] = tokens
                 results[r.request_id] = StepResult(hypotheses=state.best(r.params.n_best) if state.done else None)
             if sources:
                 self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), step.length)

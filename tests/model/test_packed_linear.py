@@ -8,7 +8,7 @@ from torch import nn
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from model.data import SHARED_DATA, pad, read_lines
 from model.generator import Generator
-from model.packed_linear import PackedLinear, pack_linear_layers, packing_available
+from model.packed_linear import MAX_PACKED_ROWS, PackedLinear, pack_linear_layers, packing_available, padded_rows
 from model.reference_decoding import generate_greedy_uncached
 from model.tokenizer import EOS_ID
 from model.translate import greedy_translate
@@ -17,7 +17,7 @@ from model.translator import Translator
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
 
-@pytest.mark.parametrize("shape", [(1, 256), (3, 256), (64, 256), (2, 5, 256), (1, 1, 256)])
+@pytest.mark.parametrize("shape", [(1, 256), (3, 256), (17, 256), (64, 256), (300, 256), (2, 5, 256), (1, 1, 256)])
 def test_packed_linear_equals_the_plain_layer(shape: tuple[int, ...]) -> None:
     torch.manual_seed(0)
     plain = nn.Linear(256, 1024)
@@ -27,6 +27,13 @@ def test_packed_linear_equals_the_plain_layer(shape: tuple[int, ...]) -> None:
         expected, got = plain(x), packed(x)
     assert got.shape == expected.shape == (*shape[:-1], 1024)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_packed_path_runs_few_row_counts() -> None:
+    # oneDNN keeps a kernel (and memory) per row count it sees: 19 counts, each at least the rows.
+    counts = {padded_rows(n) for n in range(2, MAX_PACKED_ROWS + 1)}
+    assert len(counts) == 19 and max(counts) == MAX_PACKED_ROWS
+    assert all(n <= padded_rows(n) < n + 16 for n in range(2, MAX_PACKED_ROWS + 1))
 
 
 def test_with_gradients_the_plain_weight_computes_exactly() -> None:
