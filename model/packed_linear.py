@@ -2,8 +2,8 @@
 
 torch's default CPU GEMM (MKL) takes a plain (out, in) weight and, on this project's AMD EPYC
 machine, runs a generic code path; oneDNN, given the weight once in its own blocked layout,
-multiplies the many-row batches of a decode step faster: 1.2-1.5x for the layers and 1.6-2.9x for
-the 8000-word output projection, at 4 to 64 rows, 1 thread (`python -m benchmarks.linear`). For a
+multiplies the many-row batches of a decode step faster: 1.1-1.5x for the layers and 1.3-2.9x for
+the 8000-word output projection, at 4 to 256 rows, 1 thread (`python -m benchmarks.linear`). For a
 single row MKL's path stays as fast or faster, so a layer keeps both weights and picks by rows.
 
 Inference only: the packed copy is made once and never updated, so training and anything that
@@ -38,8 +38,8 @@ def packing_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W (out, in) kept twice: as given (one row, or gradients) and packed for
-    oneDNN (two rows or more, inference)."""
+    """y = x W^T + b with W (out, in) kept twice: as given (one row, more than MAX_PACKED_ROWS, or
+    gradients) and packed for oneDNN (2 to MAX_PACKED_ROWS rows, inference)."""
 
     weight: Tensor
     packed_weight: Tensor
