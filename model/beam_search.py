@@ -40,12 +40,6 @@ class BeamState:
     def _normalised(self, score: float, length: int) -> float:
         return score / (length**self.length_penalty)
 
-    def step(self, log_probs: Tensor) -> tuple[Tensor, Tensor]:
-        """log_probs: (K, V) for the live beams. Returns (parents, tokens), each (K,): live beam i
-        continues beam parents[i] with tokens[i]."""
-        ((parents, tokens),) = step_beams([self], log_probs)
-        return torch.tensor(parents), torch.tensor(tokens)
-
     def advance(self, top_scores: list[float], top_index: list[int], vocab_size: int) -> tuple[list[int], list[int]]:
         """Takes the step given this sentence's 2K best candidates (scores, and indices into its
         flattened (K, V) beam x token scores), best first. Returns (parents, tokens), K each."""
@@ -82,7 +76,8 @@ class BeamState:
 def step_beams(states: list[BeamState], log_probs: Tensor) -> list[tuple[list[int], list[int]]]:
     """One step of several sentences' searches: log_probs (sum of their beam sizes, V), each
     sentence's live beams in order. One top-k serves all the sentences of a beam size. Returns
-    each sentence's (parents, tokens), as BeamState.step."""
+    each sentence's (parents, tokens), K each: live beam i continues beam parents[i] with
+    tokens[i]."""
     V = log_probs.shape[-1]
     log_probs = log_probs.float().cpu()
     starts = [0]

@@ -22,8 +22,9 @@ PROMPT = {"prompt": "ROMEO:\n", "max_tokens": 8, "temperature": 0}
 
 def capacity() -> int:
     """Requests the generator deployment holds at once: slots and queue of every replica."""
-    g = TEST_CONFIG.generator
-    return int(g.num_replicas) * (g.engine.n_slots + g.engine.max_waiting)
+    held = TEST_CONFIG.generator.max_requests_held
+    assert held is not None, "the test's generator has a fixed number of replicas"
+    return held
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ def burst(url: str, completions: int, healthz: int) -> tuple[list[Answer], list[
             # Every request has its own connection, opened beforehand (a burst then measures the
             # service, not the connection setup), and the two kinds go interleaved.
             await asyncio.gather(*(timed(http, "GET", "/healthz", None) for _ in range(completions + healthz)))
-            kinds = sorted(["completion"] * completions + ["healthz"] * healthz, key=lambda _: random.random())
+            kinds = ["completion"] * completions + ["healthz"] * healthz
+            random.shuffle(kinds)
             request = {"completion": ("POST", "/v1/completions", PROMPT), "healthz": ("GET", "/healthz", None)}
             sent = (timed(http, *request[k]) for k in kinds)
             results = list(zip(kinds, await asyncio.gather(*sent), strict=True))
