@@ -26,6 +26,8 @@ ENV RAY_USAGE_STATS_ENABLED=0
 ENV MALLOC_ARENA_MAX=2
 # Deployment handles over Serve's gRPC transport: cheaper per streamed chunk (service/config.py).
 ENV RAY_SERVE_USE_GRPC_BY_DEFAULT=1
+# Serve logs to files only (/tmp/ray/session_latest/logs/serve/), not also to stderr (service/config.py).
+ENV RAY_SERVE_LOG_TO_STDERR=0
 # Serve's HTTP proxy (deploy/serve_config.gpu.yaml binds 0.0.0.0 inside the container only) and
 # Ray's Prometheus metrics.
 EXPOSE 8000 8080

@@ -54,6 +54,9 @@ def build_app(config: ServiceConfig) -> Application:
         graceful_shutdown_timeout_s=max(m.graceful_shutdown_timeout_s for m in models),
         graceful_shutdown_wait_loop_s=min(m.graceful_shutdown_wait_loop_s for m in models),
         max_surge_percent=100,
+        # The ingress writes its own access line (service/api/app.py: request id, sizes, timing);
+        # Serve's would be a second line per request.
+        logging_config={"enable_access_log": False},
     ).bind(config, translator, generator)
 
 

@@ -20,13 +20,18 @@ from service.engine.config import EngineConfig
 # resident memory crept up with fragmentation (163.6 -> 179.9 MB over 6,400 mixed requests; with
 # two arenas 161.5 -> 162.3 MB). The ingress reaches the model replicas over Serve's gRPC transport
 # instead of Ray actor calls: cheaper per streamed chunk (32 streams over HTTP, 2 cores: 1,603
-# against 984 tokens/s; `python -m benchmarks.serving`). The Dockerfile sets the same.
+# against 984 tokens/s; `python -m benchmarks.serving`). Serve writes its logs to files only
+# (logs/serve/ in Ray's session directory), not also to stderr, whence Ray forwards every line to
+# the driver: in a burst of 576 requests that forwarding cost more CPU than the ingress's work
+# (the burst took 3.6 s with it and 2.3 s without; tests/service/test_overload.py). The
+# Dockerfile sets the same.
 RAY_ENVIRONMENT = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
     "RAY_worker_niceness": "0",
     "MALLOC_ARENA_MAX": "2",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_LOG_TO_STDERR": "0",
 }
 # On Linux, Ray turns a node address of 127.0.0.1 into the machine's own address, and its GCS,
 # raylet, agents and metrics export then listen on every interface. Its local-only mode (the

@@ -158,8 +158,9 @@ def create_api(
     api.state.config = config
     api.state.backends = backends
     install_error_handlers(api, on_failure)
-    # Middleware added later runs earlier: request ids, body limit and access log, then CORS (a
-    # browser's preflight carries no key), then the API keys, before any route reads the body.
+    # Middleware added later runs earlier: request ids, body limit and access log, then admission,
+    # then CORS (a browser's preflight carries no key), then the API keys, before any route reads
+    # the body.
     if config.api_keys:
         api.add_middleware(ApiKeyMiddleware, keys=[k.get_secret_value() for k in config.api_keys], on_failure=on_failure)
     if config.cors_origins:  # without it, no CORS header at all: browsers keep other origins out
@@ -170,8 +171,7 @@ def create_api(
             allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
             expose_headers=["X-Request-Id", "Retry-After"],
         )
-    api.add_middleware(EdgeMiddleware, max_bytes=config.max_body_bytes, access_log=access_log or logging.getLogger("service.api.access"))
-    # Added last, so it runs first: a refused request costs no parsing.
+    # A refused request costs no parsing, and still gets its request id and access line.
     api.add_middleware(
         AdmissionMiddleware,
         max_in_flight=config.ingress_max_in_flight,
@@ -179,6 +179,7 @@ def create_api(
         on_failure=on_failure,
         backends=backends,
     )
+    api.add_middleware(EdgeMiddleware, max_bytes=config.max_body_bytes, access_log=access_log or logging.getLogger("service.api.access"))
     for router in ROUTERS:
         api.include_router(router)
     api.mount("/static", StaticFiles(directory=playground_routes.STATIC), name="static")

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import httpx
 
 from tests.service.conftest import TEST_CONFIG
 
-PROMPT = {"prompt": "ROMEO:\n", "max_tokens": 8, "temperature": 0}
+# Long enough that the first requests admitted still hold the replicas when the burst's last ones
+# arrive (with 8 tokens, some bursts of 3x capacity drained as fast as they came, with no refusal).
+PROMPT = {"prompt": "ROMEO:\n", "max_tokens": 64, "temperature": 0}
 
 
 def capacity() -> int:
@@ -38,32 +39,62 @@ class Answer:
         return json.loads(self.body)
 
 
+def http_request(host: str, method: str, path: str, body: dict[str, Any] | None) -> bytes:
+    """One whole HTTP/1.1 request (keep-alive), as bytes."""
+    payload = b"" if body is None else json.dumps(body).encode()
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(payload)}\r\n"
+    if body is not None:
+        head += "Content-Type: application/json\r\n"
+    return (head + "\r\n").encode() + payload
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """Status, lower-case headers and body of one HTTP/1.1 response (Content-Length or chunked)."""
+    status_line, *lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines if line)}
+    if "content-length" in headers:
+        return int(status_line.split()[1]), headers, await reader.readexactly(int(headers["content-length"]))
+    body = b""
+    while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+        body += (await reader.readexactly(size + 2))[:-2]
+    await reader.readuntil(b"\r\n")  # the empty trailer
+    return int(status_line.split()[1]), headers, body
+
+
 def burst(url: str, completions: int, healthz: int) -> tuple[list[Answer], list[Answer]]:
-    """That many completions and /healthz requests at once, each on its own connection. The client
-    is aiohttp: httpx's per-request cost on these 2 cores made the client, not the service, the
-    bottleneck of a 576-request burst."""
+    """That many completions and /healthz requests at once, each on its own connection, opened
+    beforehand. The client is plain asyncio streams: every request is prepared as bytes and all are
+    written in one loop, in shuffled order, before any answer is read, so they reach the service
+    interleaved. (aiohttp wrote its GETs about 0.3 s before its POSTs in such a burst: the server
+    then saw nearly all /healthz requests before the first completion.)"""
+    parts = urlsplit(url)
+    host, port = parts.hostname, parts.port
+    assert host is not None and port is not None
+    request = {
+        "completion": http_request(parts.netloc, "POST", "/v1/completions", PROMPT),
+        "healthz": http_request(parts.netloc, "GET", "/healthz", None),
+    }
 
-    async def timed(http: aiohttp.ClientSession, method: str, path: str, body: dict[str, Any] | None) -> Answer:
-        started = time.perf_counter()
-        async with http.request(method, url + path, json=body) as response:
-            content = await response.read()
-            headers = {k.lower(): v for k, v in response.headers.items()}
-            return Answer(response.status, headers, content, time.perf_counter() - started)
+    async def main() -> list[tuple[str, Answer]]:
+        kinds = ["completion"] * completions + ["healthz"] * healthz
+        random.shuffle(kinds)
+        connections = await asyncio.gather(*(asyncio.open_connection(host, port) for _ in kinds))
 
-    async def main() -> tuple[list[Answer], list[Answer]]:
-        connector = aiohttp.TCPConnector(limit=0)  # no client-side queue: every request connects at once
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as http:
-            # Every request has its own connection, opened beforehand (a burst then measures the
-            # service, not the connection setup), and the two kinds go interleaved.
-            await asyncio.gather(*(timed(http, "GET", "/healthz", None) for _ in range(completions + healthz)))
-            kinds = ["completion"] * completions + ["healthz"] * healthz
-            random.shuffle(kinds)
-            request = {"completion": ("POST", "/v1/completions", PROMPT), "healthz": ("GET", "/healthz", None)}
-            sent = (timed(http, *request[k]) for k in kinds)
-            results = list(zip(kinds, await asyncio.gather(*sent), strict=True))
-            return [a for k, a in results if k == "completion"], [a for k, a in results if k == "healthz"]
+        async def answer(reader: asyncio.StreamReader, sent: float) -> Answer:
+            status, headers, body = await read_response(reader)
+            return Answer(status, headers, body, time.perf_counter() - sent)
 
-    return asyncio.run(main())
+        pending = []
+        for kind, (reader, writer) in zip(kinds, connections, strict=True):
+            writer.write(request[kind])  # no await in this loop: the writes go out back to back
+            pending.append(answer(reader, time.perf_counter()))
+        answers = await asyncio.wait_for(asyncio.gather(*pending), 300)
+        for _, writer in connections:
+            writer.close()
+        return list(zip(kinds, answers, strict=True))
+
+    results = asyncio.run(main())
+    return [a for k, a in results if k == "completion"], [a for k, a in results if k == "healthz"]
 
 
 def p99(seconds: list[float]) -> float:
