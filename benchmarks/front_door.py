@@ -12,6 +12,7 @@ reaching the replica.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -84,8 +85,13 @@ def main() -> None:
         time.sleep(0.5)
     generator: Any = serve.get_deployment_handle("Generator", app_name="front-door")
     generator.inject_fault.remote("stall", 1, 3600.0).result()
+
+    def hold_a_place() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # cut when the service shuts down, as intended
+            httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=3600)
+
     for _ in range(3):  # one stuck in the stalled step, one in the engine's queue, one in Serve's queue
-        threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=3600), daemon=True).start()
+        threading.Thread(target=hold_a_place, daemon=True).start()
         time.sleep(1.0)
     refused = httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=30)
     assert refused.status_code == 429 and refused.headers["retry-after"], refused.text
