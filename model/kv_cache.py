@@ -14,13 +14,14 @@ from torch import Tensor
 
 def cache_rows(slots: Sequence[int] | Tensor, device: torch.device) -> tuple[Tensor, Tensor | slice]:
     """Slots as an index tensor (for writes) and as a reader: a slice when a list of slots is
-    consecutive and ascending, so that reading the rows is a view instead of a gathered copy."""
+    ascending at a fixed stride (consecutive, or every k-th), so that reading the rows is a view
+    instead of a gathered copy."""
     if isinstance(slots, Tensor):
         return slots, slots
     index = torch.tensor(slots, device=device)
-    first = slots[0]
-    consecutive = list(slots) == list(range(first, first + len(slots)))
-    return index, slice(first, first + len(slots)) if consecutive else index
+    first, stride = slots[0], (slots[1] - slots[0] if len(slots) > 1 else 1)
+    evenly_spaced = stride > 0 and list(slots) == list(range(first, first + stride * len(slots), stride))
+    return index, slice(first, first + stride * len(slots), stride) if evenly_spaced else index
 
 
 def read_rows(cache: Tensor, rows: Tensor | slice, length: int) -> Tensor:
@@ -91,7 +92,7 @@ class KVCache(LayerCaches):
     def views(self, slots: Sequence[int] | Tensor, positions: Tensor, length: int) -> list[CacheView]:
         """Per-layer views for a step writing `positions` (B, T) of rows `slots` (B,).
 
-        Consecutive ascending slots given as a list are read through a slice, without gathering.
+        Evenly spaced ascending slots given as a list are read through a slice, without gathering.
         """
         assert length <= self.max_len, "keys beyond the cache"  # positions are checked by the caller (no device sync here)
         index, rows = cache_rows(slots, self.keys[0].device)

@@ -83,12 +83,21 @@ class DecoderLayer(nn.Module):
         cache: SelfAttentionCache | None = None,
         memory_kv: tuple[Tensor, Tensor] | None = None,
         memory_mask: Tensor | None = None,
+        memory_group: int = 1,
     ) -> Tensor:
-        """x: (B, T, d_model). memory_kv: this layer's cross-attention keys/values (B, H, S, D).
+        """x: (B, T, d_model). memory_kv: this layer's cross-attention keys/values, (B / memory_group,
+        H, S, D), and memory_mask (B / memory_group, 1, 1, S): each memory_group consecutive rows of x
+        attend to one source (a sentence's beams), whose keys are then read once for all of them.
         Returns (B, T, d_model)."""
         x = self.attn_residual(x, lambda h: self.self_attn(h, mask=self_mask, rope=rope, cache=cache)[0])
         if self.src_attn is not None and self.src_residual is not None:
             assert memory_kv is not None, "an encoder-decoder layer needs the encoder output"
             src_attn = self.src_attn
-            x = self.src_residual(x, lambda h: src_attn(h, key_value=memory_kv, mask=memory_mask)[0])
+
+            def cross_attention(h: Tensor) -> Tensor:
+                B, T, d = h.shape
+                queries = h.reshape(B // memory_group, memory_group * T, d)  # a group's rows: one query sequence
+                return src_attn(queries, key_value=memory_kv, mask=memory_mask)[0].reshape(B, T, d)
+
+            x = self.src_residual(x, cross_attention)
         return self.ff_residual(x, self.feed_forward)

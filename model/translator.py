@@ -85,18 +85,21 @@ class Translator(nn.Module):
         positions: Tensor | None = None,
         caches: Sequence[SelfAttentionCache] | None = None,
         cache_length: int = 0,
+        memory_group: int = 1,
     ) -> Tensor:
         """Next-token logits for every target position, (B, T, vocab).
 
         tgt_ids: (B, T) starting with bos. memory_kv from `cross_key_values`; src_mask (B, 1, 1, S).
         Without caches the whole prefix is given; with caches, tgt_ids are the new tokens at
-        `positions` (B, T) and keys come from the caches (cache_length keys each).
+        `positions` (B, T) and keys come from the caches (cache_length keys each). With
+        memory_group k, every k consecutive rows share one source: memory_kv and src_mask then
+        hold B / k rows, one per group (a sentence's beams).
         """
         positions, self_mask, rope = self.positions.causal_self_attention(tgt_ids, positions, cache_length if caches is not None else None)
         x = self._embed(tgt_ids, positions)
         for i, layer in enumerate(self.decoder_layers):
             cache = caches[i] if caches is not None else None
-            x = layer(x, self_mask, rope, cache, memory_kv[i], src_mask)
+            x = layer(x, self_mask, rope, cache, memory_kv[i], src_mask, memory_group)
         return self.project_logits(self.decoder_norm(x))
 
     def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:

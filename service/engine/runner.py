@@ -157,6 +157,19 @@ def decode_step(fed: dict[int, tuple[int, int]], max_len: int, device: torch.dev
     return DecodeStep(rows, {s: i for i, s in enumerate(rows)}, ids, positions, length)
 
 
+def beam_group(slots_of_requests: list[list[int]], rows: list[int]) -> int:
+    """k when every request of a step holds k > 1 slots (a beam search of width k) forming a block
+    that starts at a multiple of k, and the step's rows are a span of whole blocks (idle blocks
+    included): every k consecutive rows then share one source. Else 1. (The allocator hands out
+    the lowest free slots, so beam searches of one width keep to aligned blocks.)"""
+    widths = {len(slots) for slots in slots_of_requests}
+    k = widths.pop() if len(widths) == 1 else 1
+    if k == 1 or rows[0] % k or len(rows) % k or rows != list(range(rows[0], rows[0] + len(rows))):
+        return 1
+    aligned = all(slots[0] % k == 0 and slots == list(range(slots[0], slots[0] + k)) for slots in slots_of_requests)
+    return k if aligned else 1
+
+
 def decode_rows(slots: list[int]) -> list[int]:
     """Cache rows a decode step runs: the consecutive span from the lowest to the highest slot, idle
     rows included, so that every layer reads the cache through a view instead of gathering a
@@ -236,9 +249,10 @@ class TranslatorRunner:
         rows of the step that take another row's cache."""
         fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
         step = decode_step(fed, self.max_len, self.device)
-        memory_kv, src_mask = self.cross_cache.read(step.rows, max(len(r.prompt_ids) for r in requests))
+        group = beam_group([r.slots for r in requests], step.rows)  # rows sharing a source: read its keys once
+        memory_kv, src_mask = self.cross_cache.read(step.rows[::group], max(len(r.prompt_ids) for r in requests))
         views = self.cache.views(step.rows, step.positions, step.length)
-        logits = self.model.decode(step.ids, memory_kv, src_mask, step.positions, views, step.length)[:, -1]  # (R, V)
+        logits = self.model.decode(step.ids, memory_kv, src_mask, step.positions, views, step.length, group)[:, -1]  # (R, V)
         results: dict[str, StepResult] = {}
         beams: list[Request] = []
         streamed: list[Request] = []

@@ -2,6 +2,7 @@
 batched, joining and leaving at different steps, equals alone; equals recomputation."""
 
 import functools
+from typing import Any
 
 import torch
 
@@ -9,6 +10,7 @@ from model.beam_search import beam_search
 from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
 from model.config import TranslatorConfig
 from model.generator import Generator
+from model.kv_cache import cache_rows, read_rows
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
 from model.sampling import GREEDY, SamplingParams
 from model.tokenizer import EOS_ID
@@ -16,7 +18,7 @@ from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
-from service.engine.runner import GeneratorRunner, TranslatorRunner, decode_rows
+from service.engine.runner import GeneratorRunner, TranslatorRunner, beam_group, decode_rows
 from tests.engine.fakes import FakeTokenizer
 
 
@@ -141,3 +143,56 @@ def test_decode_rows_span_the_slots_unless_too_sparse() -> None:
     assert decode_rows([0, 2]) == [0, 1, 2]
     assert decode_rows([0, 3]) == [0, 1, 2, 3]
     assert decode_rows([5, 0]) == [0, 5]  # a span of 6 rows for 2 sequences: gathered instead
+
+
+def test_beam_group_takes_aligned_blocks_of_one_width_only() -> None:
+    assert beam_group([[0, 1, 2, 3], [8, 9, 10, 11]], list(range(12))) == 4  # idle block 4-7 included
+    assert beam_group([[0, 1, 2, 3], [4]], list(range(5))) == 1  # a greedy request beside it
+    assert beam_group([[2, 3, 4, 5]], [2, 3, 4, 5]) == 1  # not aligned
+    assert beam_group([[0, 1, 2, 3], [8, 9, 10, 11]], [0, 1, 2, 3, 8, 9, 10, 11]) == 1  # gathered rows, not a span
+    assert beam_group([[0, 1], [2, 3]], [0, 1, 2, 3]) == 2
+
+
+def test_cache_rows_read_evenly_spaced_slots_through_a_view() -> None:
+    cache = torch.arange(8.0).reshape(8, 1, 1, 1).expand(8, 1, 4, 1).contiguous()
+    _, rows = cache_rows([1, 3, 5], cache.device)
+    assert rows == slice(1, 7, 2)
+    assert read_rows(cache, rows, 2).flatten().tolist() == [1, 1, 3, 3, 5, 5]
+    assert isinstance(cache_rows([1, 2, 4], cache.device)[1], torch.Tensor)  # uneven: gathered
+
+
+def test_beam_searches_sharing_source_reads_equal_offline_beam_search() -> None:
+    """Only beam-4 requests, joining at different steps and leaving as they finish: the engine reads
+    each sentence's cross-attention keys once for its 4 rows (beam_group), and every result
+    equals the offline beam search of that sentence alone."""
+    sources = [[5, 9, 13, 7, EOS_ID], [40, 41, EOS_ID], [8, 8, 8, EOS_ID], [21, 33, 60, 4, 17, EOS_ID], [11, EOS_ID]]
+    engine = translator_engine()
+    runner = engine.runner
+    assert isinstance(runner, TranslatorRunner)
+    groups: list[int] = []  # memory_group of every decoder step
+    decode = runner.model.decode
+
+    def spy(*args: Any) -> Any:
+        groups.append(args[6])  # the engine passes it by position
+        return decode(*args)
+
+    runner.model.decode = spy  # type: ignore[method-assign]
+    params = GenerationParams(sampling=GREEDY, max_tokens=8, beam_size=4)
+    arrivals = {
+        0: [Request(f"b{i}", s, params) for i, s in enumerate(sources[:3])],
+        4: [Request(f"b{i}", s, params) for i, s in enumerate(sources[3:], 3)],
+    }
+    finals = {}
+    for step in range(80):
+        for r in arrivals.get(step, []):
+            engine.add_request(r)
+        for d in engine.step().deltas:
+            if d.finish_reason is not None:
+                finals[d.request_id] = d.text
+    del runner.model.decode  # the offline beam search below calls the model's own
+    assert 4 in groups, groups  # steps that read each sentence's keys once for its 4 beams
+    tokenizer = FakeTokenizer()
+    for i, s in enumerate(sources):
+        expected = beam_search(runner.model, torch.tensor([s]), beam_size=4, max_new_tokens=8)[0]
+        assert finals[f"b{i}"] == tokenizer.decode(expected[0].tokens)
+    assert engine.scheduler.slots.num_free == 16

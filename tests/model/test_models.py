@@ -133,3 +133,20 @@ def test_padding_mask_shape() -> None:
 def test_uncached_greedy_generation_extends_prompt() -> None:
     out = generate_greedy_uncached(tiny_generator(), [5, 6, 7], 4)
     assert len(out) == 4 and all(0 <= t < 64 for t in out)
+
+
+def test_rows_grouped_on_one_source_give_the_logits_of_each_row_with_its_own_copy() -> None:
+    """Translator.decode with memory_group k (a sentence's k beams read its cross-attention keys
+    once) equals decoding every row against its own copy of its sentence's keys."""
+    model = tiny_translator("sinusoidal")
+    k = 3
+    src = torch.randint(4, 64, (2, 7))
+    src[1, 5:] = 0  # the second sentence is shorter: padding hidden by the source mask
+    memory_kv = model.cross_key_values(model.encode(src))
+    src_mask = padding_mask(src, 0)  # (2, 1, 1, S)
+    tgt = torch.randint(4, 64, (2 * k, 5))  # rows 0-2 decode sentence 0, rows 3-5 sentence 1
+    per_row_kv = [(keys.repeat_interleave(k, 0), values.repeat_interleave(k, 0)) for keys, values in memory_kv]
+    with torch.no_grad():
+        separate = model.decode(tgt, per_row_kv, src_mask.repeat_interleave(k, 0))
+        grouped = model.decode(tgt, memory_kv, src_mask, memory_group=k)
+    torch.testing.assert_close(grouped, separate, rtol=1e-5, atol=1e-5)
