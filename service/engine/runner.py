@@ -159,15 +159,15 @@ def decode_step(fed: dict[int, tuple[int, int]], max_len: int, device: torch.dev
 
 def beam_group(slots_of_requests: list[list[int]], rows: list[int]) -> int:
     """k when every request of a step holds k > 1 slots (a beam search of width k) forming a block
-    that starts at a multiple of k, and the step's rows are a span of whole blocks (idle blocks
-    included): every k consecutive rows then share one source. Else 1. (The allocator hands out
-    the lowest free slots, so beam searches of one width keep to aligned blocks.)"""
+    that starts at a multiple of k, and the step's rows are such blocks (idle ones included):
+    every k consecutive rows then share one source. Else 1. (The allocator hands out the lowest
+    free slots, so beam searches of one width keep to aligned blocks.)"""
     widths = {len(slots) for slots in slots_of_requests}
     k = widths.pop() if len(widths) == 1 else 1
-    if k == 1 or rows[0] % k or len(rows) % k or rows != list(range(rows[0], rows[0] + len(rows))):
+    if k == 1 or len(rows) % k:
         return 1
-    aligned = all(slots[0] % k == 0 and slots == list(range(slots[0], slots[0] + k)) for slots in slots_of_requests)
-    return k if aligned else 1
+    blocks = slots_of_requests + [rows[i : i + k] for i in range(0, len(rows), k)]
+    return k if all(block[0] % k == 0 and block == list(range(block[0], block[0] + k)) for block in blocks) else 1
 
 
 def decode_rows(slots: list[int]) -> list[int]:

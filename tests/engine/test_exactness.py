@@ -149,7 +149,8 @@ def test_beam_group_takes_aligned_blocks_of_one_width_only() -> None:
     assert beam_group([[0, 1, 2, 3], [8, 9, 10, 11]], list(range(12))) == 4  # idle block 4-7 included
     assert beam_group([[0, 1, 2, 3], [4]], list(range(5))) == 1  # a greedy request beside it
     assert beam_group([[2, 3, 4, 5]], [2, 3, 4, 5]) == 1  # not aligned
-    assert beam_group([[0, 1, 2, 3], [8, 9, 10, 11]], [0, 1, 2, 3, 8, 9, 10, 11]) == 1  # gathered rows, not a span
+    assert beam_group([[0, 1, 2, 3], [8, 9, 10, 11]], [0, 1, 2, 3, 8, 9, 10, 11]) == 4  # gathered rows: whole blocks still
+    assert beam_group([[0, 1, 2, 3]], [0, 1, 2, 3, 4, 5]) == 1  # a part of a block
     assert beam_group([[0, 1], [2, 3]], [0, 1, 2, 3]) == 2
 
 
