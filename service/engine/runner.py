@@ -245,8 +245,9 @@ class TranslatorRunner:
     def _decode(self, requests: list[Request]) -> dict[str, StepResult]:
         """One decoder step for every running sequence (each beam a row). The step runs the span of
         cache rows `decode_rows` picks, idle rows included (as the generator's), so the caches are
-        read through views; then beams are reordered with one copy of the written prefix for all
-        rows of the step that take another row's cache."""
+        read through views. When the rows are aligned blocks of one beam width (`beam_group`), a
+        sentence's beams read its cross-attention keys once. Then beams are reordered with one copy
+        of the written prefix for all rows of the step that take another row's cache."""
         fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
         step = decode_step(fed, self.max_len, self.device)
         group = beam_group([r.slots for r in requests], step.rows)  # rows sharing a source: read its keys once
