@@ -50,12 +50,21 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, d_model, bias=bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        # q, k and v of self-attention in one matrix product: set by model.packed_linear for serving.
+        self.qkv_proj: nn.Module | None = None
         # The fused kernel (torch SDPA) serves; the explicit path returns weights and is the reference.
         self.use_sdpa = True
 
     def _split_heads(self, x: Tensor) -> Tensor:
         B, T, _ = x.shape
         return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+
+    def _project_self(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's queries, keys and values of x (B, T, d_model), (B, H, T, D) each."""
+        if self.qkv_proj is None:
+            return (self._split_heads(self.q_proj(x)), *self.project_key_value(x))
+        q, k, v = self.qkv_proj(x).split(self.n_heads * self.head_dim, dim=-1)  # (B, T, d_model) each
+        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
 
     def project_key_value(self, source: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the attended sequence, (B, H, S, D) each; computed once per source."""
@@ -76,15 +85,14 @@ class MultiHeadAttention(nn.Module):
         Returns (B, T, d_model) and the weights (B, H, T, S) when asked for.
         """
         B, T, _ = x.shape
-        q = self._split_heads(self.q_proj(x))  # (B, H, T, D)
         if key_value is None:
-            k, v = self.project_key_value(x)  # (B, H, T, D)
+            q, k, v = self._project_self(x)  # (B, H, T, D) each
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, H, S, D): everything this sequence may attend to
         else:
-            k, v = key_value
+            q, (k, v) = self._split_heads(self.q_proj(x)), key_value  # (B, H, T, D)
         dropout = self.dropout if self.training else 0.0
         weights = None
         if self.use_sdpa and not need_weights:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.generator import Generator
+from model.layers import DecoderLayer, EncoderLayer
 from model.translator import Translator
 
 # oneDNN picks its blocked layout for this many rows: the engine's typical decode batch.
@@ -67,10 +68,19 @@ class PackedLinear(nn.Module):
 
 def pack_linear_layers(model: Translator | Generator) -> None:
     """Replaces, in place, every nn.Linear of a float32 CPU model in eval mode by a PackedLinear,
-    and gives it a packed output projection (the embedding table, read transposed, stays tied)."""
+    gives every self-attention one packed product for its queries, keys and values (`qkv_proj`: the
+    three weights stacked, the same outputs as three products), and gives the model a packed output
+    projection (the embedding table, read transposed, stays tied)."""
     parameter = next(model.parameters())
     assert parameter.device.type == "cpu" and parameter.dtype == torch.float32, "packing is for float32 weights on the CPU"
     assert packing_available(), "this torch build has no oneDNN"
+    for layer in model.modules():
+        if isinstance(layer, (EncoderLayer, DecoderLayer)):  # self-attention: q, k and v in one product
+            projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+            biases: list[Tensor] = [p.bias for p in projections if p.bias is not None]
+            bias = torch.cat(biases) if len(biases) == 3 else None
+            weights: list[Tensor] = [p.weight for p in projections]
+            layer.self_attn.qkv_proj = PackedLinear(torch.cat(weights), bias)
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):

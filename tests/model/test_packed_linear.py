@@ -54,6 +54,25 @@ def test_packing_replaces_every_linear_and_keeps_the_embedding_tied() -> None:
     assert model.output_projection.weight.data_ptr() == model.embed.weight.data_ptr()
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 300])  # MKL, padded oneDNN, oneDNN, past the packed path
+def test_one_product_for_queries_keys_and_values_gives_the_three_products(rows: int) -> None:
+    model, _ = load_checkpoint(DEFAULT_TRANSLATOR)
+    assert isinstance(model, Translator)
+    pack_linear_layers(model)
+    attentions = [layer.self_attn for layer in [*model.encoder_layers, *model.decoder_layers]]
+    assert all(a.qkv_proj is not None for a in attentions)
+    assert all(layer.src_attn is not None and layer.src_attn.qkv_proj is None for layer in model.decoder_layers)  # cross: q only
+    x = torch.randn(1, rows, model.config.d_model)
+    with torch.inference_mode():
+        for attention in attentions:
+            fused = attention._project_self(x)
+            qkv_proj, attention.qkv_proj = attention.qkv_proj, None
+            separate = attention._project_self(x)  # the packed q_proj, k_proj and v_proj, one by one
+            attention.qkv_proj = qkv_proj
+            for a, b in zip(fused, separate, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_packed_translator_translates_as_the_plain_one() -> None:
     plain, tokenizer = load_checkpoint(DEFAULT_TRANSLATOR)
     packed, _ = load_checkpoint(DEFAULT_TRANSLATOR)
