@@ -202,8 +202,9 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
         "generator": {"engine": {"n_slots": 24, "max_waiting": 48, "default_max_tokens": 16}, "stream_interval_ms": 20},
     }
     v2 = write_config(cluster_config(deployed.port, models=models), deployed.directory / "v2.json")
-    # Streams of 200 tokens last seconds, so some are always open across the switch.
-    load = Load(streams=3, completions=1, translations=2, max_requests=80, max_tokens=200)
+    # Six streams of 200 tokens, back to back, so some are always open across the switch (with three,
+    # once generation got faster, a run had none open when the old replica began to drain).
+    load = Load(streams=6, completions=1, translations=2, max_requests=80, max_tokens=200)
     timeline, old = rollout(deployed, lambda: deployed.cluster.deploy(v2), load, after_rollout=8)
     print("rollout:", summary(timeline), "deploy from", timeline.action_start, "to", timeline.action_end, "settled", timeline.settled)
     assert timeline.failures() == [], timeline.failures()[:5]
