@@ -166,8 +166,10 @@ def beam_group(slots_of_requests: list[list[int]], rows: list[int]) -> int:
     k = widths.pop() if len(widths) == 1 else 1
     if k == 1 or len(rows) % k:
         return 1
-    blocks = slots_of_requests + [rows[i : i + k] for i in range(0, len(rows), k)]
-    return k if all(block[0] % k == 0 and block == list(range(block[0], block[0] + k)) for block in blocks) else 1
+    # Slots and rows ascend without repeats, so a block of k is aligned and consecutive when its
+    # first is a multiple of k and its last k - 1 further.
+    blocks = [(slots[0], slots[-1]) for slots in slots_of_requests] + [(rows[i], rows[i + k - 1]) for i in range(0, len(rows), k)]
+    return k if all(first % k == 0 and last == first + k - 1 for first, last in blocks) else 1
 
 
 def decode_rows(slots: list[int]) -> list[int]:

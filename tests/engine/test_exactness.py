@@ -2,10 +2,11 @@
 batched, joining and leaving at different steps, equals alone; equals recomputation."""
 
 import functools
-from typing import Any
 
+import pytest
 import torch
 
+import service.engine.runner as runner_module
 from model.beam_search import beam_search
 from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
 from model.config import TranslatorConfig
@@ -162,7 +163,7 @@ def test_cache_rows_read_evenly_spaced_slots_through_a_view() -> None:
     assert isinstance(cache_rows([1, 2, 4], cache.device)[1], torch.Tensor)  # uneven: gathered
 
 
-def test_beam_searches_sharing_source_reads_equal_offline_beam_search() -> None:
+def test_beam_searches_sharing_source_reads_equal_offline_beam_search(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only beam-4 requests, joining at different steps and leaving as they finish: the engine reads
     each sentence's cross-attention keys once for its 4 rows (beam_group), and every result
     equals the offline beam search of that sentence alone."""
@@ -170,14 +171,13 @@ def test_beam_searches_sharing_source_reads_equal_offline_beam_search() -> None:
     engine = translator_engine()
     runner = engine.runner
     assert isinstance(runner, TranslatorRunner)
-    groups: list[int] = []  # memory_group of every decoder step
-    decode = runner.model.decode
+    groups: list[int] = []  # beam_group's answer at every decoder step
 
-    def spy(*args: Any) -> Any:
-        groups.append(args[6])  # the engine passes it by position
-        return decode(*args)
+    def recorded(slots_of_requests: list[list[int]], rows: list[int]) -> int:
+        groups.append(beam_group(slots_of_requests, rows))
+        return groups[-1]
 
-    runner.model.decode = spy  # type: ignore[method-assign]
+    monkeypatch.setattr(runner_module, "beam_group", recorded)
     params = GenerationParams(sampling=GREEDY, max_tokens=8, beam_size=4)
     arrivals = {
         0: [Request(f"b{i}", s, params) for i, s in enumerate(sources[:3])],
@@ -190,7 +190,6 @@ def test_beam_searches_sharing_source_reads_equal_offline_beam_search() -> None:
         for d in engine.step().deltas:
             if d.finish_reason is not None:
                 finals[d.request_id] = d.text
-    del runner.model.decode  # the offline beam search below calls the model's own
     assert 4 in groups, groups  # steps that read each sentence's keys once for its 4 beams
     tokenizer = FakeTokenizer()
     for i, s in enumerate(sources):
