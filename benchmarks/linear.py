@@ -1,5 +1,6 @@
 """The linear layers of a decode step, plain (torch's default CPU GEMM) against PackedLinear
-(model/packed_linear.py: oneDNN with pre-packed weights), side by side at each batch size.
+(model/packed_linear.py: MKL on the transposed weight for one or two rows, oneDNN with pre-packed
+weights above), side by side at each batch size.
 
     python -m benchmarks.linear [--threads 1] [--json]
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from model.packed_linear import PackedLinear
 
-ROWS = (1, 4, 16, 64, 256)
+ROWS = (1, 2, 4, 16, 64, 256)
 LAYER_SHAPES = [(256, 256)] * 4 + [(1024, 256), (256, 1024)]  # (out, in): q, k, v, out, fc1, fc2
 
 

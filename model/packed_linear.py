@@ -3,12 +3,16 @@
 torch's default CPU GEMM (MKL) takes a plain (out, in) weight and, on this project's AMD EPYC
 machine, runs a generic code path; oneDNN, given the weight once in its own blocked layout,
 multiplies the many-row batches of a decode step faster: 1.1-1.5x for the layers and 1.3-2.9x for
-the 8000-word output projection, at 4 to 256 rows, 1 thread (`python -m benchmarks.linear`). For a
-single row MKL's path stays as fast or faster, so a layer keeps both weights and picks by rows.
+the 8000-word output projection, at 4 to 256 rows, 1 thread (`python -m benchmarks.linear`).
+A single row (a step of one sequence: one user's latency) reads every weight once for little
+arithmetic; there MKL is fastest given the weight transposed, (in, out) contiguous: generation at
+batch 1 runs 1.08-1.14x faster than with the (out, in) layout, and at 2 rows it makes no
+difference. So a layer keeps its weight twice, transposed for MKL and packed for oneDNN, and
+picks by rows.
 
 Inference only: the packed copy is made once and never updated, so training and anything that
-needs gradients reads the plain weight. The two GEMMs sum in different orders, so outputs differ
-from the plain path's by float32 rounding (tests/model/test_packed_linear.py bounds it).
+needs gradients takes the MKL path. The GEMMs sum in different orders, so outputs differ from
+nn.Linear's by float32 rounding (tests/model/test_packed_linear.py bounds it).
 """
 
 import torch
@@ -21,6 +25,8 @@ from model.translator import Translator
 
 # oneDNN picks its blocked layout for this many rows: the engine's typical decode batch.
 PACKED_FOR_ROWS = 64
+# Up to this many rows MKL on the transposed weight is faster than oneDNN's packed path.
+MAX_MKL_ROWS = 1
 # oneDNN keeps a compiled kernel, with memory of its own, for every number of rows it has seen
 # (hundreds of MB for a replica that sees every count up to 256), so the packed path runs a few
 # row counts only: inputs are padded up to the next of 2, 4, 8, 16, then multiples of 16, and
@@ -39,26 +45,33 @@ def packing_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W (out, in) kept twice: as given (one row, more than MAX_PACKED_ROWS, or
-    gradients) and packed for oneDNN (2 to MAX_PACKED_ROWS rows, inference)."""
+    """y = x W^T + b with W (out, in) kept twice: transposed, (in, out) contiguous, for MKL (up to
+    MAX_MKL_ROWS rows, more than MAX_PACKED_ROWS, or gradients), and packed for oneDNN (the rows
+    between, inference). Both are copies: the source weight is not kept."""
 
-    weight: Tensor
+    weight_t: Tensor
     packed_weight: Tensor
     bias: Tensor | None
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
-        self.register_buffer("weight", weight.detach())  # shared with the source module, not copied
+        self.register_buffer("weight_t", weight.detach().t().contiguous())  # (in, out)
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS))
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
+    @property
+    def weight(self) -> Tensor:
+        """W (out, in), a view of the transposed copy."""
+        return self.weight_t.t()
+
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., in) float32. Returns (..., out)."""
         n = x.numel() // self.in_features
-        if n == 1 or n > MAX_PACKED_ROWS or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
         rows = x.reshape(n, self.in_features)  # (N, in)
+        if n <= MAX_MKL_ROWS or n > MAX_PACKED_ROWS or torch.is_grad_enabled():
+            y = rows @ self.weight_t if self.bias is None else torch.addmm(self.bias, rows, self.weight_t)  # (N, out)
+            return y.view(*x.shape[:-1], self.out_features)
         padded = padded_rows(n)
         if padded > n:
             rows = F.pad(rows, (0, 0, 0, padded - n))  # (P, in): zero rows, dropped below
@@ -69,8 +82,9 @@ class PackedLinear(nn.Module):
 def pack_linear_layers(model: Translator | Generator) -> None:
     """Replaces, in place, every nn.Linear of a float32 CPU model in eval mode by a PackedLinear,
     gives every self-attention one packed product for its queries, keys and values (`qkv_proj`: the
-    three weights stacked, the same outputs as three products), and gives the model a packed output
-    projection (the embedding table, read transposed, stays tied)."""
+    three weights stacked, the same outputs as three products) in place of its three, and gives the
+    model a packed output projection (copies of the embedding table: the two no longer share memory,
+    so the packed model is for inference only)."""
     parameter = next(model.parameters())
     assert parameter.device.type == "cpu" and parameter.dtype == torch.float32, "packing is for float32 weights on the CPU"
     assert packing_available(), "this torch build has no oneDNN"
@@ -81,6 +95,7 @@ def pack_linear_layers(model: Translator | Generator) -> None:
             bias = torch.cat(biases) if len(biases) == 3 else None
             weights: list[Tensor] = [p.weight for p in projections]
             layer.self_attn.qkv_proj = PackedLinear(torch.cat(weights), bias)
+            del layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj  # qkv_proj holds them
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
