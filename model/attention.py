@@ -59,12 +59,19 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
 
-    def _project_self(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Self-attention's queries, keys and values of x (B, T, d_model), (B, H, T, D) each."""
+    def _project_self(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's queries, keys and values of x (B, T, d_model), (B, H, T, D) each, the
+        queries and keys rotated by rope ((cos, sin), (B, 1, T, D)) when given."""
         if self.qkv_proj is None:
-            return (self._split_heads(self.q_proj(x)), *self.project_key_value(x))
-        q, k, v = self.qkv_proj(x).split(self.n_heads * self.head_dim, dim=-1)  # (B, T, d_model) each
-        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
+            q, (k, v) = self._split_heads(self.q_proj(x)), self.project_key_value(x)
+            return (apply_rope(q, *rope), apply_rope(k, *rope), v) if rope is not None else (q, k, v)
+        B, T, _ = x.shape
+        H = self.n_heads
+        qkv = self.qkv_proj(x).view(B, T, 3 * H, self.head_dim)  # (B, T, 3H, D): q heads, k heads, v heads
+        qk, v = qkv[:, :, : 2 * H], qkv[:, :, 2 * H :]  # (B, T, 2H, D), (B, T, H, D)
+        if rope is not None:  # one rotation for the queries and keys together: (B, T, 1, D) tables
+            qk = apply_rope(qk, rope[0].transpose(1, 2), rope[1].transpose(1, 2))
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
     def project_key_value(self, source: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the attended sequence, (B, H, S, D) each; computed once per source."""
@@ -86,9 +93,7 @@ class MultiHeadAttention(nn.Module):
         """
         B, T, _ = x.shape
         if key_value is None:
-            q, k, v = self._project_self(x)  # (B, H, T, D) each
-            if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k, v = self._project_self(x, rope)  # (B, H, T, D) each
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, H, S, D): everything this sequence may attend to
         else:

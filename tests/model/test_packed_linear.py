@@ -9,6 +9,7 @@ from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpo
 from model.data import SHARED_DATA, pad, read_lines
 from model.generator import Generator
 from model.packed_linear import MAX_PACKED_ROWS, PackedLinear, pack_linear_layers, packing_available, padded_rows
+from model.positions import rope_tables
 from model.reference_decoding import generate_greedy_uncached
 from model.tokenizer import EOS_ID
 from model.translate import greedy_translate
@@ -79,6 +80,24 @@ def test_one_product_for_queries_keys_and_values_gives_the_three_products(rows: 
             fused = attention._project_self(x)
             separate = plain_attention._project_self(x)  # nn.Linear's q_proj, k_proj and v_proj, one by one
             for a, b in zip(fused, separate, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_queries_and_keys_rotated_together_equal_each_rotated_alone(rows: int) -> None:
+    plain, _ = load_checkpoint(DEFAULT_GENERATOR)
+    model, _ = load_checkpoint(DEFAULT_GENERATOR)
+    assert isinstance(plain, Generator) and isinstance(model, Generator)
+    pack_linear_layers(model)
+    cos, sin = rope_tables(model.config.max_len, model.config.d_model // model.config.n_heads)
+    positions = torch.tensor([[3, 40, 41, 100, 101, 102, 255][:rows], [0, 1, 2, 3, 4, 5, 6][:rows]])  # (B, T)
+    rope = cos[positions][:, None], sin[positions][:, None]  # (B, 1, T, D) each
+    x = torch.randn(2, rows, model.config.d_model)
+    with torch.inference_mode():
+        for layer, plain_layer in zip(model.layers, plain.layers, strict=True):
+            rotated_together = layer.self_attn._project_self(x, rope)  # one product, one rotation
+            rotated_alone = plain_layer.self_attn._project_self(x, rope)  # three products, two rotations
+            for a, b in zip(rotated_together, rotated_alone, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
