@@ -1,5 +1,5 @@
 """The linear layers of a decode step, plain (torch's default CPU GEMM) against PackedLinear
-(model/packed_linear.py: MKL on the transposed weight for one or two rows, oneDNN with pre-packed
+(model/packed_linear.py: MKL on the transposed weight for a single row, oneDNN with pre-packed
 weights above), side by side at each batch size.
 
     python -m benchmarks.linear [--threads 1] [--json]

@@ -67,11 +67,11 @@ class MultiHeadAttention(nn.Module):
             return (apply_rope(q, *rope), apply_rope(k, *rope), v) if rope is not None else (q, k, v)
         B, T, _ = x.shape
         H = self.n_heads
-        qkv = self.qkv_proj(x).view(B, T, 3 * H, self.head_dim)  # (B, T, 3H, D): q heads, k heads, v heads
-        qk, v = qkv[:, :, : 2 * H], qkv[:, :, 2 * H :]  # (B, T, 2H, D), (B, T, H, D)
-        if rope is not None:  # one rotation for the queries and keys together: (B, T, 1, D) tables
-            qk = apply_rope(qk, rope[0].transpose(1, 2), rope[1].transpose(1, 2))
-        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
+        qkv = self.qkv_proj(x).view(B, T, 3 * H, self.head_dim).transpose(1, 2)  # (B, 3H, T, D): q, k, v heads
+        qk, v = qkv[:, : 2 * H], qkv[:, 2 * H :]  # (B, 2H, T, D), (B, H, T, D)
+        if rope is not None:
+            qk = apply_rope(qk, *rope)  # the queries and keys in one rotation
+        return qk[:, :H], qk[:, H:], v
 
     def project_key_value(self, source: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values of the attended sequence, (B, H, S, D) each; computed once per source."""

@@ -88,7 +88,7 @@ def pack_linear_layers(model: Translator | Generator) -> None:
     parameter = next(model.parameters())
     assert parameter.device.type == "cpu" and parameter.dtype == torch.float32, "packing is for float32 weights on the CPU"
     assert packing_available(), "this torch build has no oneDNN"
-    for layer in model.modules():
+    for layer in list(model.modules()):  # a list: the loop removes modules
         if isinstance(layer, (EncoderLayer, DecoderLayer)):  # self-attention: q, k and v in one product
             projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
             biases: list[Tensor] = [p.bias for p in projections if p.bias is not None]

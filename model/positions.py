@@ -34,8 +34,8 @@ def rope_tables(max_len: int, head_dim: int, base: float = 10000.0) -> tuple[Ten
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotates each (x_i, x_{i+D/2}) pair of x by its position's angle.
 
-    x: (..., D); cos, sin: broadcastable to x, already gathered at the tokens' positions: for
-    x (B, H, T, D) they are (B, 1, T, D); for queries and keys together, (B, T, 2H, D), (B, T, 1, D).
+    x: (B, H, T, D) (any number of heads: queries and keys may come together); cos, sin:
+    (B, 1, T, D) already gathered at the tokens' positions.
     """
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (B, H, T, D)
