@@ -40,18 +40,24 @@ def scaled_dot_product_attention(
 class MultiHeadAttention(nn.Module):
     """Multi-head attention: h heads of scaled dot-product attention over learned projections."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True) -> None:
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, cross: bool = False) -> None:
+        """cross: attends over another sequence (keys and values from `project_key_value`); else
+        self-attention, whose queries, keys and values come from one product (`qkv_proj`, the three
+        weights stacked as [q; k; v], as gpt-fast lays them out)."""
         super().__init__()
         assert d_model % n_heads == 0, "d_model must be divisible by n_heads"
         self.n_heads = n_heads
         self.head_dim = d_model // n_heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.cross = cross
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+            self.register_load_state_dict_pre_hook(_stack_separate_projections)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
-        # q, k and v of self-attention in one matrix product: set by model.packed_linear for serving.
-        self.qkv_proj: nn.Module | None = None
         # The fused kernel (torch SDPA) serves; the explicit path returns weights and is the reference.
         self.use_sdpa = True
 
@@ -62,9 +68,6 @@ class MultiHeadAttention(nn.Module):
     def _project_self(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention's queries, keys and values of x (B, T, d_model), (B, H, T, D) each, the
         queries and keys rotated by rope ((cos, sin), (B, 1, T, D)) when given."""
-        if self.qkv_proj is None:
-            q, (k, v) = self._split_heads(self.q_proj(x)), self.project_key_value(x)
-            return (apply_rope(q, *rope), apply_rope(k, *rope), v) if rope is not None else (q, k, v)
         B, T, _ = x.shape
         H = self.n_heads
         qkv = self.qkv_proj(x).view(B, T, 3 * H, self.head_dim).transpose(1, 2)  # (B, 3H, T, D): q, k, v heads
@@ -73,8 +76,17 @@ class MultiHeadAttention(nn.Module):
             qk = apply_rope(qk, *rope)  # the queries and keys in one rotation
         return qk[:, :H], qk[:, H:], v
 
+    def projection_weights(self) -> list[tuple[Tensor, Tensor | None]]:
+        """The query, key and value projections' (weight (d_model, d_model), bias (d_model,)) each,
+        whichever layout holds them (for exports)."""
+        if self.cross:
+            return [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)]
+        biases = self.qkv_proj.bias.chunk(3) if self.qkv_proj.bias is not None else (None, None, None)
+        return list(zip(self.qkv_proj.weight.chunk(3), biases, strict=True))
+
     def project_key_value(self, source: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values of the attended sequence, (B, H, S, D) each; computed once per source."""
+        """Cross-attention's keys and values of the attended sequence, (B, H, S, D) each; computed
+        once per source."""
         return self._split_heads(self.k_proj(source)), self._split_heads(self.v_proj(source))
 
     def forward(
@@ -106,3 +118,12 @@ class MultiHeadAttention(nn.Module):
             out, weights = scaled_dot_product_attention(q, k, v, mask, dropout)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, d_model)
         return self.out_proj(out), weights
+
+
+def _stack_separate_projections(module: nn.Module, state_dict: dict[str, Tensor], prefix: str, *_: object) -> None:
+    """Reads a self-attention saved with separate q_proj, k_proj and v_proj (checkpoints written
+    before qkv_proj) into qkv_proj: the three stacked, [q; k; v]."""
+    for field in ("weight", "bias"):
+        names = [f"{prefix}{p}_proj.{field}" for p in "qkv"]
+        if all(name in state_dict for name in names):
+            state_dict[f"{prefix}qkv_proj.{field}"] = torch.cat([state_dict.pop(name) for name in names])

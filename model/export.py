@@ -110,8 +110,9 @@ def marian_state_dict(model: Translator) -> dict[str, Tensor]:
     p = marian_permutation(model.config.d_model)
     state: dict[str, Tensor] = {}
 
-    def reads(name: str, linear: torch.nn.Linear) -> None:  # input on the residual stream
-        state[f"{name}.weight"], state[f"{name}.bias"] = linear.weight[:, p], linear.bias
+    def reads(name: str, weight: Tensor, bias: Tensor | None) -> None:  # input on the residual stream
+        assert bias is not None
+        state[f"{name}.weight"], state[f"{name}.bias"] = weight[:, p], bias
 
     def writes(name: str, linear: torch.nn.Linear) -> None:  # output on the residual stream
         state[f"{name}.weight"], state[f"{name}.bias"] = linear.weight[p], linear.bias[p]
@@ -127,23 +128,24 @@ def marian_state_dict(model: Translator) -> dict[str, Tensor]:
     for i, layer in enumerate(model.encoder_layers):
         assert isinstance(layer, EncoderLayer)
         prefix = f"model.encoder.layers.{i}"
-        for proj in ["q_proj", "k_proj", "v_proj"]:
-            reads(f"{prefix}.self_attn.{proj}", getattr(layer.self_attn, proj))
+        for proj, (weight, bias) in zip(["q_proj", "k_proj", "v_proj"], layer.self_attn.projection_weights(), strict=True):
+            reads(f"{prefix}.self_attn.{proj}", weight, bias)
         writes(f"{prefix}.self_attn.out_proj", layer.self_attn.out_proj)
         norm(f"{prefix}.self_attn_layer_norm", layer.attn_residual.norm)
-        reads(f"{prefix}.fc1", layer.feed_forward.fc1)
+        reads(f"{prefix}.fc1", layer.feed_forward.fc1.weight, layer.feed_forward.fc1.bias)
         writes(f"{prefix}.fc2", layer.feed_forward.fc2)
         norm(f"{prefix}.final_layer_norm", layer.ff_residual.norm)
     for i, layer in enumerate(model.decoder_layers):
         assert isinstance(layer, DecoderLayer) and layer.src_attn is not None and layer.src_residual is not None
         prefix = f"model.decoder.layers.{i}"
         for attn_name, attn in [("self_attn", layer.self_attn), ("encoder_attn", layer.src_attn)]:
-            for proj in ["q_proj", "k_proj", "v_proj"]:  # cross-attention keys/values read the encoder's residual stream
-                reads(f"{prefix}.{attn_name}.{proj}", getattr(attn, proj))
+            # cross-attention keys/values read the encoder's residual stream
+            for proj, (weight, bias) in zip(["q_proj", "k_proj", "v_proj"], attn.projection_weights(), strict=True):
+                reads(f"{prefix}.{attn_name}.{proj}", weight, bias)
             writes(f"{prefix}.{attn_name}.out_proj", attn.out_proj)
         norm(f"{prefix}.self_attn_layer_norm", layer.attn_residual.norm)
         norm(f"{prefix}.encoder_attn_layer_norm", layer.src_residual.norm)
-        reads(f"{prefix}.fc1", layer.feed_forward.fc1)
+        reads(f"{prefix}.fc1", layer.feed_forward.fc1.weight, layer.feed_forward.fc1.bias)
         writes(f"{prefix}.fc2", layer.feed_forward.fc2)
         norm(f"{prefix}.final_layer_norm", layer.ff_residual.norm)
     return {k: v.detach().contiguous() for k, v in state.items()}
@@ -185,9 +187,9 @@ def gpt_neox_state_dict(model: Generator) -> dict[str, Tensor]:
         assert isinstance(layer, DecoderLayer)
         prefix = f"gpt_neox.layers.{i}"
         attn = layer.self_attn
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        weights = torch.stack([m.weight.view(c.n_heads, c.head_dim, c.d_model) for m in projections], dim=1)  # (H, 3, D, d)
-        biases = torch.stack([m.bias.view(c.n_heads, c.head_dim) for m in projections], dim=1)  # (H, 3, D)
+        assert attn.qkv_proj.bias is not None
+        weights = attn.qkv_proj.weight.view(3, c.n_heads, c.head_dim, c.d_model).transpose(0, 1)  # (H, 3, D, d)
+        biases = attn.qkv_proj.bias.view(3, c.n_heads, c.head_dim).transpose(0, 1)  # (H, 3, D)
         state[f"{prefix}.attention.query_key_value.weight"] = weights.reshape(3 * c.d_model, c.d_model)
         state[f"{prefix}.attention.query_key_value.bias"] = biases.reshape(3 * c.d_model)
         copy(f"{prefix}.attention.dense", attn.out_proj)
@@ -290,7 +292,7 @@ def _layer_norm(spec: Any, layer_norm: torch.nn.Module) -> None:
 
 def _self_attention(layer_spec: Any, layer: EncoderLayer | DecoderLayer) -> None:
     """A CTranslate2 layer spec's self-attention (fused qkv) and its layer norm, from our layer."""
-    _linear(layer_spec.self_attention.linear[0], *_fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+    _linear(layer_spec.self_attention.linear[0], layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias)
     _linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias)
     _layer_norm(layer_spec.self_attention.layer_norm, layer.attn_residual.norm)
 

@@ -6,7 +6,7 @@ from torch import Tensor, nn
 
 from model.attention import SelfAttentionCache
 from model.config import GeneratorConfig
-from model.layers import DecoderLayer
+from model.layers import DecoderLayer, project_logits
 from model.positions import PositionEncoder
 
 
@@ -23,7 +23,7 @@ class Generator(nn.Module):
             for _ in range(c.n_layers)
         )
         self.final_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
-        self.output_projection: nn.Module | None = None  # set by model.quantize; None: tied to the embedding
+        self.output_projection: nn.Module | None = None  # set by model.packed_linear or model.quantize; None: tied
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -31,12 +31,6 @@ class Generator(nn.Module):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-
-    def project_logits(self, h: Tensor) -> Tensor:
-        """(B, T, d_model) -> (B, T, vocab): the embedding table transposed (tied), or its int8 copy."""
-        if self.output_projection is not None:
-            return self.output_projection(h)
-        return h @ self.embed.weight.T
 
     def forward(
         self,
@@ -54,4 +48,4 @@ class Generator(nn.Module):
         x = self.dropout(self.positions.embed(self.embed(ids), positions))  # (B, T, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, rope, caches[i] if caches is not None else None)
-        return self.project_logits(self.final_norm(x))
+        return project_logits(self.final_norm(x), self.embed, self.output_projection)

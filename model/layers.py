@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
         self.attn_residual = Residual(d_model, dropout, norm_first)
-        self.src_attn = MultiHeadAttention(d_model, n_heads, dropout) if cross_attention else None
+        self.src_attn = MultiHeadAttention(d_model, n_heads, dropout, cross=True) if cross_attention else None
         self.src_residual = Residual(d_model, dropout, norm_first) if cross_attention else None
         self.feed_forward = FeedForward(d_model, d_ff, activation, dropout)
         self.ff_residual = Residual(d_model, dropout, norm_first)
@@ -101,3 +101,17 @@ class DecoderLayer(nn.Module):
 
             x = self.src_residual(x, cross_attention)
         return self.ff_residual(x, self.feed_forward)
+
+
+def project_logits(h: Tensor, embed: nn.Embedding, output_projection: nn.Module | None) -> Tensor:
+    """(B, T, d_model) -> (B, T, vocab): the embedding table transposed (tied output), or the
+    model's packed or int8 copy of it (`output_projection`, set by model.packed_linear or model.quantize)."""
+    return output_projection(h) if output_projection is not None else h @ embed.weight.T
+
+
+def replace_linear_layers(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replaces, in place, every nn.Linear inside model by make(linear)."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make(child))

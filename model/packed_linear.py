@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.generator import Generator
-from model.layers import DecoderLayer, EncoderLayer
+from model.layers import replace_linear_layers
 from model.translator import Translator
 
 # oneDNN picks its blocked layout for this many rows: the engine's typical decode batch.
@@ -80,25 +80,12 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear_layers(model: Translator | Generator) -> None:
-    """Replaces, in place, every nn.Linear of a float32 CPU model in eval mode by a PackedLinear,
-    gives every self-attention one packed product for its queries, keys and values (`qkv_proj`: the
-    three weights stacked, the same outputs as three products) in place of its three, and gives the
-    model a packed output projection (copies of the embedding table: the two no longer share memory,
-    so the packed model is for inference only)."""
+    """Replaces, in place, every nn.Linear of a float32 CPU model in eval mode by a PackedLinear, and
+    gives the model a packed output projection (copies of the embedding table: the two no longer
+    share memory, so the packed model is for inference only)."""
     parameter = next(model.parameters())
     assert parameter.device.type == "cpu" and parameter.dtype == torch.float32, "packing is for float32 weights on the CPU"
     assert packing_available(), "this torch build has no oneDNN"
-    for layer in list(model.modules()):  # a list: the loop removes modules
-        if isinstance(layer, (EncoderLayer, DecoderLayer)):  # self-attention: q, k and v in one product
-            projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
-            biases: list[Tensor] = [p.bias for p in projections if p.bias is not None]
-            bias = torch.cat(biases) if len(biases) == 3 else None
-            weights: list[Tensor] = [p.weight for p in projections]
-            layer.self_attn.qkv_proj = PackedLinear(torch.cat(weights), bias)
-            del layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj  # qkv_proj holds them
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+    replace_linear_layers(model, lambda linear: PackedLinear(linear.weight, linear.bias))
     model.output_projection = PackedLinear(model.embed.weight, None)
     model.eval()

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from model.generator import Generator
+from model.layers import replace_linear_layers
 from model.translator import Translator
 
 INT8_MAX = 127
@@ -59,9 +60,6 @@ def quantize_int8(model: Translator | Generator) -> None:
     int8 output projection (until now the embedding table read transposed; the embedding itself
     stays float32)."""
     assert next(model.parameters()).device.type == "cpu", "int8 weights run on the CPU only"
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear.from_linear(child))
+    replace_linear_layers(model, Int8Linear.from_linear)
     model.output_projection = Int8Linear(model.embed.weight, None)
     model.eval()

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from model.attention import SelfAttentionCache
+from model.attention import MultiHeadAttention, SelfAttentionCache
 from model.config import TranslatorConfig
-from model.layers import DecoderLayer, EncoderLayer
+from model.layers import DecoderLayer, EncoderLayer, project_logits
 from model.masks import padding_mask
 from model.positions import PositionEncoder
 
@@ -36,7 +36,7 @@ class Translator(nn.Module):
         # Pre-LN stacks end with a LayerNorm; post-LN ones are already normalised.
         self.encoder_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
         self.decoder_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
-        self.output_projection: nn.Module | None = None  # set by model.quantize; None: tied to the embedding
+        self.output_projection: nn.Module | None = None  # set by model.packed_linear or model.quantize; None: tied
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -48,6 +48,9 @@ class Translator(nn.Module):
             # N(0, d^-1/2): scaled by sqrt(d) the inputs have unit variance and tied logits start small.
             nn.init.normal_(module.weight, std=self.config.d_model**-0.5)
             nn.init.zeros_(module.weight[self.config.pad_id])
+        elif isinstance(module, MultiHeadAttention) and not module.cross:
+            for weight in module.qkv_proj.weight.data.chunk(3):  # each of q, k, v as its own (d, d) matrix
+                nn.init.xavier_uniform_(weight)
 
     def _embed(self, ids: Tensor, positions: Tensor) -> Tensor:
         return self.dropout(self.positions.embed(self.embed(ids) * self.embed_scale, positions))  # (B, T, d)
@@ -70,12 +73,6 @@ class Translator(nn.Module):
             assert isinstance(layer, DecoderLayer) and layer.src_attn is not None
             kv.append(layer.src_attn.project_key_value(memory))
         return kv
-
-    def project_logits(self, h: Tensor) -> Tensor:
-        """(B, T, d_model) -> (B, T, vocab): the embedding table transposed (tied), or its int8 copy."""
-        if self.output_projection is not None:
-            return self.output_projection(h)
-        return h @ self.embed.weight.T
 
     def decode(
         self,
@@ -100,7 +97,7 @@ class Translator(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             cache = caches[i] if caches is not None else None
             x = layer(x, self_mask, rope, cache, memory_kv[i], src_mask, memory_group)
-        return self.project_logits(self.decoder_norm(x))
+        return project_logits(self.decoder_norm(x), self.embed, self.output_projection)
 
     def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
         """Teacher-forced logits (B, T, vocab) for target inputs tgt_ids given source src_ids."""

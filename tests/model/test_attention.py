@@ -12,9 +12,10 @@ from model.masks import causal_mask, padding_mask
 def copy_into_torch_mha(ours: MultiHeadAttention, d_model: int, n_heads: int) -> torch.nn.MultiheadAttention:
     ref = torch.nn.MultiheadAttention(d_model, n_heads, batch_first=True)
     with torch.no_grad():
-        ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+        weights, biases = zip(*ours.projection_weights(), strict=True)
+        ref.in_proj_weight.copy_(torch.cat(weights))
         assert ref.in_proj_bias is not None
-        ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+        ref.in_proj_bias.copy_(torch.cat(biases))
         ref.out_proj.weight.copy_(ours.out_proj.weight)
         ref.out_proj.bias.copy_(ours.out_proj.bias)
     return ref.eval()
@@ -37,7 +38,7 @@ def test_self_attention_equals_torch_multihead_attention(use_sdpa: bool) -> None
 
 def test_cross_attention_equals_torch_multihead_attention() -> None:
     d_model, n_heads = 32, 4
-    ours = MultiHeadAttention(d_model, n_heads).eval()
+    ours = MultiHeadAttention(d_model, n_heads, cross=True).eval()
     ref = copy_into_torch_mha(ours, d_model, n_heads)
     x, memory = torch.randn(2, 5, d_model), torch.randn(2, 9, d_model)
     src = torch.tensor([[4] * 9, [4] * 6 + [0] * 3])

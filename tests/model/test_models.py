@@ -150,3 +150,20 @@ def test_rows_grouped_on_one_source_give_the_logits_of_each_row_with_its_own_cop
         separate = model.decode(tgt, per_row_kv, src_mask.repeat_interleave(k, 0))
         grouped = model.decode(tgt, memory_kv, src_mask, memory_group=k)
     torch.testing.assert_close(grouped, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_a_state_dict_with_separate_query_key_value_projections_loads_into_qkv_proj() -> None:
+    """Checkpoints written before qkv_proj hold self-attention's q_proj, k_proj and v_proj apart."""
+    model = tiny_translator()
+    old_layout: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if ".self_attn.qkv_proj." in name:
+            for projection, part in zip("qkv", tensor.chunk(3), strict=True):
+                old_layout[name.replace("qkv_proj", f"{projection}_proj")] = part.clone()
+        else:
+            old_layout[name] = tensor
+    assert not any("qkv_proj" in name for name in old_layout)
+    loaded = Translator(model.config).eval()
+    loaded.load_state_dict(old_layout)  # strict: no key missing or left over
+    src, tgt = torch.tensor([[5, 6, 7, 2]]), torch.tensor([[1, 8, 9]])
+    assert torch.equal(loaded(src, tgt), model(src, tgt))

@@ -3,13 +3,14 @@ rounding, and on the shipped checkpoints the packed models decode the same token
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from model.data import SHARED_DATA, pad, read_lines
 from model.generator import Generator
 from model.packed_linear import MAX_PACKED_ROWS, PackedLinear, pack_linear_layers, packing_available, padded_rows
-from model.positions import rope_tables
+from model.positions import apply_rope, rope_tables
 from model.reference_decoding import generate_greedy_uncached
 from model.tokenizer import EOS_ID
 from model.translate import greedy_translate
@@ -59,45 +60,43 @@ def test_packing_replaces_every_linear_and_projects_with_the_embedding() -> None
     assert isinstance(model, Generator)
     pack_linear_layers(model)
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert all(not hasattr(layer.self_attn, "q_proj") for layer in model.layers)  # in qkv_proj only
     assert isinstance(model.output_projection, PackedLinear)
     assert torch.equal(model.output_projection.weight, model.embed.weight)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 300])  # MKL, padded oneDNN, oneDNN, past the packed path
-def test_one_product_for_queries_keys_and_values_gives_the_three_products(rows: int) -> None:
+def test_packed_queries_keys_and_values_equal_three_separate_products(rows: int) -> None:
     plain, _ = load_checkpoint(DEFAULT_TRANSLATOR)
     model, _ = load_checkpoint(DEFAULT_TRANSLATOR)
     assert isinstance(plain, Translator) and isinstance(model, Translator)
     pack_linear_layers(model)
     attentions = [layer.self_attn for layer in [*model.encoder_layers, *model.decoder_layers]]
-    assert all(a.qkv_proj is not None for a in attentions)
-    assert all(layer.src_attn is not None and layer.src_attn.qkv_proj is None for layer in model.decoder_layers)  # cross: q only
     plain_attentions = [layer.self_attn for layer in [*plain.encoder_layers, *plain.decoder_layers]]
     x = torch.randn(1, rows, model.config.d_model)
     with torch.inference_mode():
         for attention, plain_attention in zip(attentions, plain_attentions, strict=True):
-            fused = attention._project_self(x)
-            separate = plain_attention._project_self(x)  # nn.Linear's q_proj, k_proj and v_proj, one by one
-            for a, b in zip(fused, separate, strict=True):
+            assert isinstance(attention.qkv_proj, PackedLinear)
+            separate = [
+                F.linear(x, w, b).view(1, rows, -1, attention.head_dim).transpose(1, 2) for w, b in plain_attention.projection_weights()
+            ]
+            for a, b in zip(attention._project_self(x), separate, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 7])
 def test_queries_and_keys_rotated_together_equal_each_rotated_alone(rows: int) -> None:
-    plain, _ = load_checkpoint(DEFAULT_GENERATOR)
     model, _ = load_checkpoint(DEFAULT_GENERATOR)
-    assert isinstance(plain, Generator) and isinstance(model, Generator)
+    assert isinstance(model, Generator)
     pack_linear_layers(model)
     cos, sin = rope_tables(model.config.max_len, model.config.d_model // model.config.n_heads)
     positions = torch.tensor([[3, 40, 41, 100, 101, 102, 255][:rows], [0, 1, 2, 3, 4, 5, 6][:rows]])  # (B, T)
     rope = cos[positions][:, None], sin[positions][:, None]  # (B, 1, T, D) each
     x = torch.randn(2, rows, model.config.d_model)
     with torch.inference_mode():
-        for layer, plain_layer in zip(model.layers, plain.layers, strict=True):
-            rotated_together = layer.self_attn._project_self(x, rope)  # one product, one rotation
-            rotated_alone = plain_layer.self_attn._project_self(x, rope)  # three products, two rotations
-            for a, b in zip(rotated_together, rotated_alone, strict=True):
+        for layer in model.layers:
+            q, k, v = layer.self_attn._project_self(x, rope)  # one product, one rotation of q and k together
+            q_plain, k_plain, v_plain = layer.self_attn._project_self(x)  # unrotated
+            for a, b in zip((q, k, v), (apply_rope(q_plain, *rope), apply_rope(k_plain, *rope), v_plain), strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
