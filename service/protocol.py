@@ -17,7 +17,7 @@ Closing the stream early cancels the request; it stops using the model within on
 from dataclasses import dataclass
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
+from service.engine.config import FinishReason
 
 # invalid: the request can never be served as asked (HTTP 400); overloaded: the replica's queue is
 # full, retry later (429); unavailable: the replica's engine is not running (503).

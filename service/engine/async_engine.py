@@ -117,7 +117,7 @@ class AsyncEngine:
             try:
                 with self._pending_lock:  # submit() sees it either pending or waiting, never neither
                     self._pending -= 1
-                    self.engine.add_request(message.request)
+                    self.engine.queue(message.request)  # resolved by submit()
             except Exception as error:  # validated at submit; a race with the queue bound is all that is left
                 delta = Delta(message.request.request_id, "", [], "error", error=str(error))
                 message.loop.call_soon_threadsafe(message.deltas.put_nowait, delta)

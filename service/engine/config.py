@@ -1,10 +1,13 @@
-"""The engine's limits and defaults, in one place. No torch here: the serving config that holds
-an EngineConfig is read by processes that never load a model."""
+"""The engine's limits and defaults, and the words its callers share with it (the batching policy,
+why a request finished), in one place. No torch here: the serving config that holds an
+EngineConfig, and the wire protocol, are read by processes that never load a model."""
 
 from dataclasses import dataclass
 from typing import Literal
 
 BatchingPolicy = Literal["continuous", "static"]
+# Why a request ended: eos or a stop string, its token limit, the caller left, the model failed, a deadline.
+FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 
 
 @dataclass(frozen=True)

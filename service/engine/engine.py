@@ -12,11 +12,11 @@ import torch
 from model.checkpoint import WeightType, load_checkpoint
 from model.packed_linear import pack_linear_layers, packing_available
 from model.tokenizer import EOS_ID
-from service.engine.config import EngineConfig
+from service.engine.config import EngineConfig, FinishReason
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.errors import InvalidRequestError
-from service.engine.request import Delta, FinishReason, GenerationParams, Request
-from service.engine.runner import ModelRunner, StepResult, runner_for
+from service.engine.request import Delta, GenerationParams, Request
+from service.engine.runner import ModelRunner, RunnerOutput, runner_for
 from service.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,10 @@ class Engine:
         """Resolves its parameters and queues it; raises InvalidRequestError or QueueFullError
         without queueing."""
         request.params = self.resolve(request.prompt_ids, request.params)
+        self.queue(request)
+
+    def queue(self, request: Request) -> None:
+        """Queues a request whose parameters `resolve` returned; raises QueueFullError without queueing."""
         self.scheduler.add(request)
         detokenizer = IncrementalDetokenizer(self.runner.tokenizer, request.params.stop, self.runner.strip_leading_space)
         self._detokenizers[request.request_id] = detokenizer
@@ -131,9 +135,10 @@ class Engine:
         deltas = [self._finish(r, "abort", report) for r in plan.aborted]
         deltas += [self._finish(r, "timeout", report) for r in plan.timed_out]
         failure: Exception | None = None
+        output = RunnerOutput()
         if not plan.is_empty:
             try:
-                results = self.runner.execute(plan)
+                output = self.runner.execute(plan)
             except Exception as error:
                 log.exception("step failed; failing its %d requests", plan.batch_size)
                 failure = error
@@ -143,16 +148,16 @@ class Engine:
             else:
                 now = time.monotonic()
                 for r in plan.prefill + plan.decode:
-                    delta = self._update(r, results[r.request_id], now, report)
+                    delta = self._update(r, output, now, report)
                     if delta is not None:
                         deltas.append(delta)
+        report.prefill_seconds = output.prefill_seconds
         self._publish_report(plan, report)
         return StepOutput(deltas, report, failure)
 
     def _publish_report(self, plan: SchedulerOutput, report: StepReport) -> None:
         report.batch_size = plan.batch_size
         report.prefill_tokens = sum(len(r.prompt_ids) for r in plan.prefill)
-        report.prefill_seconds = self.runner.last_prefill_seconds if plan.prefill else 0.0
         report.running, report.waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         report.kv_cache_usage = self.scheduler.kv_usage
         if plan.batch_size:
@@ -172,31 +177,33 @@ class Engine:
         r.last_token_time = now
         report.generated_tokens += tokens
 
-    def _update(self, r: Request, result: StepResult, now: float, report: StepReport) -> Delta | None:
-        if result.hypotheses is not None:
-            best = result.hypotheses[0].tokens
+    def _update(self, r: Request, output: RunnerOutput, now: float, report: StepReport) -> Delta | None:
+        hypotheses = output.hypotheses.get(r.request_id)
+        if hypotheses is not None:
+            best = hypotheses[0].tokens
             self._token_timing(r, now, len(best), report)
             r.output_ids = best
             reason: FinishReason = "length" if len(best) >= r.max_tokens else "stop"
-            texts = [self.runner.tokenizer.decode(h.tokens) for h in result.hypotheses]
+            texts = [self.runner.tokenizer.decode(h.tokens) for h in hypotheses]
             self.scheduler.finish(r, reason)
             return self._finish(r, reason, report, text=texts[0], alternatives=texts[1:])
-        if result.token is None:
+        token = output.tokens.get(r.request_id)
+        if token is None:
             return None  # a beam search still running: nothing to stream
         self._token_timing(r, now, 1, report)
-        if result.token == EOS_ID:
+        if token == EOS_ID:
             self.scheduler.finish(r, "stop")
             return self._finish(r, "stop", report)
-        r.output_ids.append(result.token)
+        r.output_ids.append(token)
         detokenizer = self._detokenizers[r.request_id]
-        text = detokenizer.add(result.token)
+        text = detokenizer.add(token)
         if detokenizer.stopped:
             self.scheduler.finish(r, "stop")
-            return self._finish(r, "stop", report, text=text, token_ids=[result.token])
+            return self._finish(r, "stop", report, text=text, token_ids=[token])
         if len(r.output_ids) >= r.max_tokens:
             self.scheduler.finish(r, "length")
-            return self._finish(r, "length", report, text=text, token_ids=[result.token])
-        return Delta(r.request_id, text, [result.token], None, prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids))
+            return self._finish(r, "length", report, text=text, token_ids=[token])
+        return Delta(r.request_id, text, [token], None, prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids))
 
     def _finish(
         self,
@@ -211,7 +218,6 @@ class Engine:
         detokenizer = self._detokenizers.pop(r.request_id, None)
         if detokenizer is not None and reason in ("stop", "length") and not alternatives and r.params.beam_size == 1:
             text += detokenizer.flush()
-        self.runner.release(r)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         now = time.monotonic()
         queue_seconds = r.scheduled_time - r.arrival_time if r.scheduled_time is not None else None

@@ -3,13 +3,12 @@
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Literal
 
 import torch
 
+from model.beam_search import BeamState
 from model.sampling import SamplingParams
-
-FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
+from service.engine.config import FinishReason
 
 
 class RequestStatus(Enum):
@@ -43,6 +42,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     rng: torch.Generator | None = None  # per-request sampling randomness
+    beams: BeamState | None = None  # a beam search's live beams and ended hypotheses (the translator's runner)
     scheduled_time: float | None = None  # when it left the waiting queue
     first_token_time: float | None = None
     last_token_time: float = 0.0

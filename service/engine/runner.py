@@ -2,7 +2,7 @@
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -22,17 +22,21 @@ from service.engine.request import Request
 from service.engine.scheduler import SchedulerOutput
 
 
-@dataclass(frozen=True)
-class StepResult:
-    token: int | None = None  # the next token of a streamed (greedy or sampled) sequence
-    hypotheses: list[Hypothesis] | None = None  # beam search: set on the step its search ends
+@dataclass
+class RunnerOutput:
+    """What one execute() produced, by request id. A request of the plan is in exactly one of
+    tokens (a streamed, greedy or sampled, sequence's next token) and hypotheses (a beam search
+    that ended this step, best first), or in neither (a beam search still running)."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    hypotheses: dict[str, list[Hypothesis]] = field(default_factory=dict)
+    prefill_seconds: float = 0.0  # the prompt / encoder pass of the plan's new requests
 
 
 class ModelRunner(Protocol):
     tokenizer: Tokenizer
     max_prompt_len: int  # longest prompt (generator) or source (translator), in tokens
     strip_leading_space: bool  # output text starts without the word-boundary space its first token carries
-    last_prefill_seconds: float  # the prompt / encoder pass of the last execute()
 
     def max_new_tokens(self, prompt_length: int) -> int:
         """The most tokens a request with this prompt can generate before its slot is full."""
@@ -43,10 +47,8 @@ class ModelRunner(Protocol):
     def default_max_tokens(self, prompt_length: int) -> int:
         """The output length limit when a request sets none."""
 
-    def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]: ...
-
-    def release(self, request: Request) -> None:
-        """Drops per-request state once it has finished or been aborted."""
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """One step: the prefill of plan.prefill, then one token for every running sequence."""
 
     @property
     def kv_cache_bytes(self) -> int: ...
@@ -73,7 +75,6 @@ class GeneratorRunner:
         self.max_len = c.max_len
         self.max_prompt_len = c.max_len - 1
         self.strip_leading_space = False  # a play's text keeps its layout
-        self.last_prefill_seconds = 0.0
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
         self.fixed_shape = FixedShapeDecoder(model, self.cache, capture=self.device.type == "cuda") if fixed_shape_decode else None
@@ -91,21 +92,18 @@ class GeneratorRunner:
     def kv_cache_bytes(self) -> int:
         return self.cache.nbytes
 
-    def release(self, request: Request) -> None:
-        pass  # the scheduler frees the slot; stale cache rows are overwritten before they are read
-
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]:
-        results: dict[str, StepResult] = {}
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        output = RunnerOutput()
         if plan.prefill:
             started = time.perf_counter()
-            results.update(self._prefill(plan.prefill))
-            self.last_prefill_seconds = time.perf_counter() - started
+            output.tokens.update(self._prefill(plan.prefill))
+            output.prefill_seconds = time.perf_counter() - started
         if plan.decode:
-            results.update(self._decode(plan.decode))
-        return results
+            output.tokens.update(self._decode(plan.decode))
+        return output
 
-    def _prefill(self, requests: list[Request]) -> dict[str, StepResult]:
+    def _prefill(self, requests: list[Request]) -> dict[str, int]:
         ids = pad([r.prompt_ids for r in requests]).to(self.device)  # (B, T) right-padded
         B, T = ids.shape
         slots = [r.slots[0] for r in requests]
@@ -113,9 +111,9 @@ class GeneratorRunner:
         logits = self.model(ids, positions, self.cache.views(slots, positions, T), T)  # (B, T, V)
         last = torch.tensor([len(r.prompt_ids) - 1 for r in requests], device=self.device)
         tokens = _sample(logits[torch.arange(B, device=self.device), last], requests)
-        return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
-    def _decode(self, requests: list[Request]) -> dict[str, StepResult]:
+    def _decode(self, requests: list[Request]) -> dict[str, int]:
         if self.fixed_shape is not None:
             logits = self.fixed_shape(
                 [r.slots[0] for r in requests],
@@ -123,12 +121,12 @@ class GeneratorRunner:
                 [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests],
             )
             tokens = _sample(logits, requests)
-            return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
+            return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
         step = decode_step({r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests}, self.max_len, self.device)
         views = self.cache.views(step.rows, step.positions, step.length)
         logits = self.model(step.ids, step.positions, views, step.length)[:, -1]  # (R, V)
         tokens = _sample(logits.index_select(0, torch.tensor([step.row_of[r.slots[0]] for r in requests], device=self.device)), requests)
-        return {r.request_id: StepResult(token=t) for r, t in zip(requests, tokens, strict=True)}
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
 
 def _position(r: Request) -> int:
@@ -198,9 +196,6 @@ class TranslatorRunner:
         self.max_len = c.max_len
         self.max_prompt_len = c.max_len
         self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
-        self.last_prefill_seconds = 0.0
-        self._beams: dict[str, BeamState] = {}
-        self._beam_tokens: dict[str, list[int]] = {}  # the last token of each live beam
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - 1  # position 0 holds bos
@@ -215,17 +210,15 @@ class TranslatorRunner:
     def kv_cache_bytes(self) -> int:
         return self.cache.nbytes + self.cross_cache.nbytes
 
-    def release(self, request: Request) -> None:
-        self._beams.pop(request.request_id, None)
-        self._beam_tokens.pop(request.request_id, None)
-
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> dict[str, StepResult]:
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        output = RunnerOutput()
         if plan.prefill:
             started = time.perf_counter()
             self._encode(plan.prefill)
-            self.last_prefill_seconds = time.perf_counter() - started
-        return self._decode(plan.prefill + plan.decode)
+            output.prefill_seconds = time.perf_counter() - started
+        self._decode(plan.prefill + plan.decode, output)
+        return output
 
     def _encode(self, requests: list[Request]) -> None:
         src = pad([r.prompt_ids for r in requests]).to(self.device)  # (B, S)
@@ -236,15 +229,15 @@ class TranslatorRunner:
         self.cross_cache.write(slots, [(k[rows], v[rows]) for k, v in memory_kv], (src != self.model.config.pad_id)[rows])
         for r in requests:
             if r.params.beam_size > 1:
-                self._beams[r.request_id] = BeamState(r.params.beam_size, r.max_tokens, r.params.length_penalty)
-                self._beam_tokens[r.request_id] = [BOS_ID] * r.params.beam_size
+                r.beams = BeamState(r.params.beam_size, r.max_tokens, r.params.length_penalty)
 
-    def _last_tokens(self, r: Request) -> list[int]:
-        if r.request_id in self._beam_tokens:
-            return self._beam_tokens[r.request_id]
-        return [r.output_ids[-1] if r.output_ids else BOS_ID]
+    @staticmethod
+    def _last_tokens(r: Request) -> list[int]:
+        """The token each of the request's rows feeds this step (bos first)."""
+        sequences = r.beams.sequences if r.beams is not None else [r.output_ids]
+        return [s[-1] if s else BOS_ID for s in sequences]
 
-    def _decode(self, requests: list[Request]) -> dict[str, StepResult]:
+    def _decode(self, requests: list[Request], output: RunnerOutput) -> None:
         """One decoder step for every running sequence (each beam a row). The step runs the span of
         cache rows `decode_rows` picks, idle rows included (as the generator's), so the caches are
         read through views. When the rows are aligned blocks of one beam width (`beam_group`), a
@@ -256,36 +249,31 @@ class TranslatorRunner:
         memory_kv, src_mask = self.cross_cache.read(step.rows[::group], max(len(r.prompt_ids) for r in requests))
         views = self.cache.views(step.rows, step.positions, step.length)
         logits = self.model.decode(step.ids, memory_kv, src_mask, step.positions, views, step.length, group)[:, -1]  # (R, V)
-        results: dict[str, StepResult] = {}
-        beams: list[Request] = []
-        streamed: list[Request] = []
-        for r in requests:
-            (beams if r.request_id in self._beams else streamed).append(r)
+        beams = [r for r in requests if r.beams is not None]
+        streamed = [r for r in requests if r.beams is None]
         if beams:
             beam_rows = torch.tensor([step.row_of[s] for r in beams for s in r.slots], device=self.device)
             log_probs = F.log_softmax(logits.index_select(0, beam_rows).float(), dim=-1)  # (sum of K, V)
-            states = [self._beams[r.request_id] for r in beams]
+            states = [r.beams for r in beams if r.beams is not None]
             sources, targets = [], []
-            for r, state, (parents, tokens) in zip(beams, states, step_beams(states, log_probs), strict=True):
+            for r, state, (parents, _) in zip(beams, states, step_beams(states, log_probs), strict=True):
                 for beam, parent in enumerate(parents):
                     if parent != beam:  # this row takes its parent's cache; a row that continues itself keeps its own
                         sources.append(r.slots[parent])
                         targets.append(r.slots[beam])
-                self._beam_tokens[r.request_id] = tokens
-                results[r.request_id] = StepResult(hypotheses=state.best(r.params.n_best) if state.done else None)
+                if state.done:
+                    output.hypotheses[r.request_id] = state.best(r.params.n_best)
             if sources:
                 self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), step.length)
         if streamed:
             streamed_rows = torch.tensor([step.row_of[r.slots[0]] for r in streamed], device=self.device)
             sampled = _sample(logits.index_select(0, streamed_rows), streamed)
-            results.update({r.request_id: StepResult(token=t) for r, t in zip(streamed, sampled, strict=True)})
-        return results
+            output.tokens.update({r.request_id: t for r, t in zip(streamed, sampled, strict=True)})
 
-    def _step_of(self, r: Request) -> int:
+    @staticmethod
+    def _step_of(r: Request) -> int:
         """Position of the token fed this step: the number of tokens generated so far."""
-        if r.request_id in self._beams:
-            return len(self._beams[r.request_id].sequences[0])
-        return len(r.output_ids)
+        return len(r.beams.sequences[0]) if r.beams is not None else len(r.output_ids)
 
 
 def runner_for(model: Translator | Generator, tokenizer: Tokenizer, n_slots: int) -> ModelRunner:

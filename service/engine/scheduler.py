@@ -4,9 +4,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from service.engine.config import BatchingPolicy
+from service.engine.config import BatchingPolicy, FinishReason
 from service.engine.errors import QueueFullError
-from service.engine.request import FinishReason, Request, RequestStatus
+from service.engine.request import Request, RequestStatus
 
 
 class SlotAllocator:
