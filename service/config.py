@@ -72,7 +72,7 @@ class ModelServingConfig(BaseModel):
     torch_threads: int | None = None  # CPU threads for torch in each replica
     # check_health fails once the engine loop has not come round for this long (a wedged step).
     heartbeat_timeout_s: float = Field(30.0, gt=0)
-    fault_injection: bool = False  # tests only: allows the replica's inject_fault()
+    fault_injection: bool = False  # tests only: the engine steps through a FaultInjectingRunner (inject_fault())
     # A streamed response sends its first token at once, then at most one piece per interval
     # (tokens made meanwhile travel together; Ray Serve LLM's default is 50 ms). 0: every token alone.
     stream_interval_ms: float = Field(50.0, ge=0)

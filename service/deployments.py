@@ -4,10 +4,9 @@ Refusal) and reports health; limits and defaults are the engine's."""
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from ray import serve
@@ -18,6 +17,7 @@ from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
 from service.engine.engine import Engine
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from service.engine.faults import FaultInjectingRunner, FaultKind
 from service.engine.inspector import AttentionInspector
 from service.engine.request import Delta, GenerationParams, Request
 from service.metrics import ServingMetrics
@@ -62,6 +62,9 @@ class ModelDeployment:
         self.config = config
         device, dtype = resolve_device(config)
         engine = Engine.from_checkpoint(config.checkpoint, config.engine, device, dtype)
+        self.faults = FaultInjectingRunner(engine.runner) if config.fault_injection else None
+        if self.faults is not None:
+            engine.runner = self.faults  # the engine steps through it; tests arm it with inject_fault()
         self._warm_up(engine)
         self.metrics = ServingMetrics(config.name)
         engine.on_step = self.metrics.record_step
@@ -126,25 +129,14 @@ class ModelDeployment:
             **process_stats(),
         }
 
-    def inject_fault(self, kind: Literal["error", "stall"], steps: int = 1, stall_s: float | None = None) -> str:
-        """For fault tests, refused unless the config allows it: each of the next `steps` engine
-        steps raises ("error"), or first sleeps stall_s seconds ("stall"; None: forever, a wedged
-        loop that check_health reports and Serve replaces). Returns this replica's id."""
-        if not self.config.fault_injection:
+    def inject_fault(self, kind: FaultKind, steps: int = 1, stall_s: float | None = None) -> str:
+        """For fault tests, refused unless the config runs the engine through a FaultInjectingRunner:
+        each of the next `steps` engine steps raises ("error"), or first sleeps stall_s seconds
+        ("stall"; None: forever, a wedged loop that check_health reports and Serve replaces).
+        Returns this replica's id."""
+        if self.faults is None:
             raise PermissionError("fault injection is off for this deployment")
-        runner, execute = self.runner, self.runner.execute
-        remaining = steps
-
-        def faulty(plan: Any) -> Any:
-            nonlocal remaining
-            if remaining > 0:
-                remaining -= 1
-                if kind == "error":
-                    raise RuntimeError("injected fault")
-                threading.Event().wait(stall_s)  # never set: sleeps stall_s, or forever
-            return execute(plan)
-
-        runner.execute = faulty  # type: ignore[method-assign]
+        self.faults.arm(kind, steps, stall_s)
         return str(serve.get_replica_context().replica_id.unique_id)
 
     def check_health(self) -> None:

@@ -13,8 +13,8 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from service.api.app import create_api
-from service.api.backend import Backends, ModelLoad
+from service.api.app import ROUTERS, create_api
+from service.api.backend import Backends, ModelLoad, model_of_path
 from service.config import ModelServingConfig, ServiceConfig
 from service.metrics import request_failure_counter
 from service.process import process_stats
@@ -83,6 +83,7 @@ class Ingress:
     def __init__(self, config: ServiceConfig, translator: DeploymentHandle[Any], generator: DeploymentHandle[Any]) -> None:
         self.failures = request_failure_counter()
         self.config = config
+        self.model_of_path = model_of_path(ROUTERS)
 
         def backend(handle: DeploymentHandle[Any], model: ModelServingConfig) -> RayBackend:
             def failed(reason: str) -> None:
@@ -96,8 +97,10 @@ class Ingress:
         self.api = create_api(config, backends, self.count_failure, logging.getLogger("ray.serve"))
 
     def count_failure(self, path: str, reason: str) -> None:
-        """Requests refused by the ingress itself (validation), by the model the route serves."""
-        model = self.config.generator.name if path.startswith("/v1/completions") else self.config.translator.name
+        """Requests refused by the ingress itself (validation, keys, admission), by the model the
+        route declares (MODEL_EXTENSION); "none" for a route that reaches no model."""
+        kind = self.model_of_path.get(path)
+        model = {"translator": self.config.translator.name, "generator": self.config.generator.name}.get(kind or "", "none")
         self.failures.inc(1, tags={"model": model, "reason": reason})
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -1,0 +1,40 @@
+"""The fault-injecting runner: armed steps fail or stall, then the wrapped runner's steps go on."""
+
+import threading
+
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
+from service.engine.faults import FaultInjectingRunner
+from service.engine.request import GenerationParams, Request
+from tests.helpers import FakeRunner
+
+
+def test_an_armed_error_fails_one_step_and_the_next_request_is_served_by_the_wrapped_runner() -> None:
+    faults = FaultInjectingRunner(FakeRunner())
+    engine = Engine(faults, EngineConfig(n_slots=2))
+    faults.arm("error", steps=1)
+    engine.add_request(Request("failed", [10, 2], GenerationParams(max_tokens=5)))
+    output = engine.step()
+    assert isinstance(output.error, RuntimeError) and str(output.error) == "injected fault"
+    assert [(d.request_id, d.finish_reason) for d in output.deltas] == [("failed", "error")]
+    engine.add_request(Request("served", [10, 2], GenerationParams(max_tokens=5)))
+    tokens = [t for _ in range(3) for d in engine.step().deltas for t in d.token_ids]
+    assert tokens == [11, 12] and not engine.has_work  # 11, 12, then eos: what FakeRunner makes
+
+
+def test_a_stall_forever_wedges_the_step_and_a_timed_stall_then_serves() -> None:
+    wedged = FaultInjectingRunner(FakeRunner())
+    wedged.arm("stall", steps=1, stall_s=None)  # the step never returns: it waits on an event never set
+    engine = Engine(wedged, EngineConfig(n_slots=2))
+    engine.add_request(Request("stalled", [10, 2], GenerationParams(max_tokens=5)))
+    stepping = threading.Thread(target=engine.step, daemon=True)
+    stepping.start()
+    stepping.join(timeout=0.5)
+    assert stepping.is_alive()
+
+    paused = FaultInjectingRunner(FakeRunner())
+    paused.arm("stall", steps=1, stall_s=0.01)
+    engine = Engine(paused, EngineConfig(n_slots=2))
+    engine.add_request(Request("paused", [10, 2], GenerationParams(max_tokens=5)))
+    output = engine.step()
+    assert output.error is None and [t for d in output.deltas for t in d.token_ids] == [11]
