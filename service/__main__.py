@@ -14,6 +14,7 @@ import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
@@ -45,7 +46,10 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     # Both models share this machine's GPU, if it has one.
     gpus = 0.5 if args.device != "cpu" and torch.cuda.is_available() else 0.0
     defaults = ServiceConfig()
-    common = {"device": args.device, "num_gpus": gpus, "num_cpus": 0.5, "torch_threads": args.torch_threads}
+    common = {"device": args.device, "torch_threads": args.torch_threads}
+
+    def deployment(replicas: int) -> dict[str, Any]:
+        return {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": gpus}}
 
     def slots(engine: EngineConfig) -> EngineConfig:
         return engine if args.slots is None else replace(engine, n_slots=args.slots)
@@ -56,7 +60,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         translator=translator.model_copy(
             update={
                 "checkpoint": args.translator_checkpoint,
-                "num_replicas": args.translator_replicas,
+                "deployment": deployment(args.translator_replicas),
                 "engine": slots(translator.engine),
                 **common,
             }
@@ -64,7 +68,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         generator=generator.model_copy(
             update={
                 "checkpoint": args.generator_checkpoint,
-                "num_replicas": args.generator_replicas,
+                "deployment": deployment(args.generator_replicas),
                 "engine": slots(generator.engine),
                 **common,
             }

@@ -16,26 +16,11 @@ from service.ingress import Ingress
 
 
 def model_deployment(name: str, config: ModelServingConfig, retry_after_s: int) -> Application:
-    options: dict[str, Any] = {
-        "name": name,
-        "max_ongoing_requests": config.max_ongoing_requests,
-        "max_queued_requests": config.max_queued_requests or config.max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
-        # Past max_queued_requests the ingress's handle raises BackPressureError at once (no hop to
-        # a replica); RayBackend answers it as a 429 with Retry-After.
-        "backpressure_config": {"status_code": 429, "retry_after_s": retry_after_s},
-        "health_check_period_s": config.health_check_period_s,
-        "health_check_timeout_s": config.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
-        "graceful_shutdown_wait_loop_s": config.graceful_shutdown_wait_loop_s,
-        "max_surge_percent": config.max_surge_percent,
-    }
-    if config.autoscaling_config is not None:
-        options["autoscaling_config"] = config.autoscaling_config
-    else:
-        options["num_replicas"] = config.num_replicas
+    # Past max_queued_requests the ingress's handle raises BackPressureError at once (no hop to a
+    # replica); RayBackend answers it as a 429 with Retry-After.
+    backpressure = {"status_code": 429, "retry_after_s": retry_after_s}
     deployment: Any = serve.deployment(ModelDeployment)
-    return deployment.options(**options).bind(config)
+    return deployment.options(name=name, backpressure_config=backpressure, **config.serve_options).bind(config)
 
 
 def build_app(config: ServiceConfig) -> Application:
@@ -51,8 +36,8 @@ def build_app(config: ServiceConfig) -> Application:
         # The proxy's own 503 past that queue (a backstop: the ingress refuses first, past
         # ingress_max_in_flight, with the documented body) tells clients when to come back.
         backpressure_config={"status_code": 503, "retry_after_s": config.retry_after_seconds},
-        graceful_shutdown_timeout_s=max(m.graceful_shutdown_timeout_s for m in models),
-        graceful_shutdown_wait_loop_s=min(m.graceful_shutdown_wait_loop_s for m in models),
+        graceful_shutdown_timeout_s=max(m.serve_options["graceful_shutdown_timeout_s"] for m in models),
+        graceful_shutdown_wait_loop_s=min(m.serve_options.get("graceful_shutdown_wait_loop_s", 2.0) for m in models),
         max_surge_percent=100,
         # The ingress writes its own access line (service/api/app.py: request id, sizes, timing);
         # Serve's would be a second line per request.

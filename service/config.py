@@ -41,6 +41,14 @@ RAY_ENVIRONMENT = {
 LOCAL_RAY_ENVIRONMENT = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+# Where this service's defaults differ from Serve's: a replica being replaced or scaled in finishes
+# the requests it has for up to a minute (make it at least the longest stream), and a rollout starts
+# each replacement before its old replica stops. Serve's router queue for a model holds one
+# replica's worth (max_ongoing_requests) unless `max_queued_requests` says otherwise.
+DEPLOYMENT_DEFAULTS: dict[str, Any] = {"graceful_shutdown_timeout_s": 60.0, "max_surge_percent": 100}
+SET_BY_THE_SERVICE = {"name", "max_ongoing_requests", "backpressure_config"}
+
+
 class ModelServingConfig(BaseModel):
     """One model deployment: its checkpoint, its engine's limits and defaults (per replica), and
     its replicas."""
@@ -53,22 +61,12 @@ class ModelServingConfig(BaseModel):
     # "auto": bfloat16 on cuda, float32 on cpu; "int8": int8 linear layers on the CPU (model/quantize.py)
     dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
     engine: EngineConfig = EngineConfig()
-    num_replicas: int | str = 1  # or "auto" with autoscaling_config
-    autoscaling_config: dict[str, Any] | None = None  # Serve's AutoscalingConfig, checked by Serve
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    # Serve's router queue for this model, beyond every replica's max_ongoing_requests (refused at
-    # once past it); None: as deep as one replica's max_ongoing_requests.
-    max_queued_requests: int | None = Field(None, ge=1)
-    health_check_period_s: float = Field(10.0, gt=0)  # how often Serve calls check_health
-    health_check_timeout_s: float = Field(30.0, gt=0)  # a check that takes longer fails
-    # A replica being replaced or scaled in takes no new requests and finishes those it has, for
-    # up to this long (checked every wait_loop_s): make it at least the longest stream.
-    graceful_shutdown_timeout_s: float = Field(60.0, ge=0)
-    graceful_shutdown_wait_loop_s: float = Field(2.0, gt=0)
-    # Rollouts start replacements before stopping old replicas, up to this percent of the
-    # replicas at once (0: stop first, as Serve's default).
-    max_surge_percent: int = Field(100, ge=0, le=100)
+    # Serve's options for this model's deployment, with the names and meanings of Serve's deployment
+    # schema (num_replicas, autoscaling_config, ray_actor_options, max_queued_requests, health
+    # checks, graceful shutdown, max_surge_percent ...), checked by Serve's own DeploymentSchema.
+    # Over DEPLOYMENT_DEFAULTS. The service sets max_ongoing_requests (the engine's slots and queue)
+    # and backpressure_config itself.
+    deployment: dict[str, Any] = {}
     torch_threads: int | None = None  # CPU threads for torch in each replica
     # check_health fails once the engine loop has not come round for this long (a wedged step).
     heartbeat_timeout_s: float = Field(30.0, gt=0)
@@ -76,6 +74,26 @@ class ModelServingConfig(BaseModel):
     # A streamed response sends its first token at once, then at most one piece per interval
     # (tokens made meanwhile travel together; Ray Serve LLM's default is 50 ms). 0: every token alone.
     stream_interval_ms: float = Field(50.0, ge=0)
+
+    @field_validator("deployment")
+    @classmethod
+    def _serve_deployment_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        from ray.serve.schema import DeploymentSchema  # Serve's own check, where a config is read
+
+        unknown = set(options) - set(DeploymentSchema.model_fields)
+        if unknown:
+            raise ValueError(f"not an option of a Serve deployment: {', '.join(sorted(unknown))}")
+        if set(options) & SET_BY_THE_SERVICE:
+            raise ValueError(f"set by the service, not in deployment: {', '.join(sorted(SET_BY_THE_SERVICE))}")
+        DeploymentSchema.model_validate({"name": "model", **options})
+        return options
+
+    @property
+    def serve_options(self) -> dict[str, Any]:
+        """The keyword arguments of this model's `serve.deployment(...).options()` (but its name)."""
+        return {"max_queued_requests": self.max_ongoing_requests, **DEPLOYMENT_DEFAULTS, **self.deployment} | {
+            "max_ongoing_requests": self.max_ongoing_requests
+        }
 
     @property
     def max_ongoing_requests(self) -> int:
@@ -92,9 +110,10 @@ class ModelServingConfig(BaseModel):
         replicas: the ingress sends the model no more and refuses the rest before reading them
         (service/api/backend.py ModelLoad). None when autoscaled: the number of replicas moves,
         and Serve's backpressure is the limit."""
-        if self.autoscaling_config is not None or not isinstance(self.num_replicas, int):
+        replicas = self.deployment.get("num_replicas", 1)
+        if "autoscaling_config" in self.deployment or not isinstance(replicas, int):
             return None
-        return self.num_replicas * self.max_ongoing_requests
+        return replicas * self.max_ongoing_requests
 
 
 class ServiceConfig(BaseModel):

@@ -10,38 +10,18 @@ import shlex
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Any
 
 import ray
-import yaml  # type: ignore[import-untyped]
 from ray.scripts.scripts import start as ray_start
 from ray.serve._private.build_app import build_app
 from ray.serve.schema import ServeDeploySchema
 
 from service.app import app_builder
 from service.config import ServiceConfig
+from tests.helpers import DEPLOY, ROOT, load, rayservice, serve_configs
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
 IMAGE_ROOT = Path("/app")  # the Dockerfile's WORKDIR
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-
-
-def load(path: Path) -> Any:
-    return yaml.safe_load(path.read_text())
-
-
-def rayservice() -> dict[str, Any]:
-    manifest: dict[str, Any] = load(DEPLOY / "kuberay" / "rayservice.yaml")
-    return manifest
-
-
-def serve_configs() -> dict[str, dict[str, Any]]:
-    return {
-        "serve_config.yaml": load(DEPLOY / "serve_config.yaml"),
-        "serve_config.gpu.yaml": load(DEPLOY / "serve_config.gpu.yaml"),
-        "rayservice.yaml": yaml.safe_load(rayservice()["spec"]["serveConfigV2"]),
-    }
 
 
 def pinned(package: str) -> str:
@@ -109,7 +89,12 @@ def test_the_rayservice_authenticates_autoscales_probes_and_exports_metrics() ->
     gpus_per_worker = int(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     args = serve_configs()["rayservice.yaml"]["applications"][0]["args"]
     models = [ServiceConfig(**args).translator, ServiceConfig(**args).generator]
-    needed = sum(m.num_gpus * (m.autoscaling_config or {})["max_replicas"] * (1 + m.max_surge_percent / 100) for m in models)
+    needed = sum(
+        m.deployment["ray_actor_options"]["num_gpus"]
+        * m.deployment["autoscaling_config"]["max_replicas"]
+        * (1 + m.serve_options["max_surge_percent"] / 100)
+        for m in models
+    )
     assert workers["maxReplicas"] * gpus_per_worker >= math.ceil(needed) and 1 <= workers["minReplicas"] <= workers["maxReplicas"]
     monitor = load(DEPLOY / "kuberay" / "podmonitor.yaml")
     assert monitor["spec"]["selector"]["matchLabels"] == head["template"]["metadata"]["labels"]

@@ -1,0 +1,40 @@
+"""A model's Serve deployment options: one field, checked by Serve's own schema, passed through."""
+
+import pytest
+from pydantic import ValidationError
+
+from model.paths import DEFAULT_TRANSLATOR
+from service.config import DEPLOYMENT_DEFAULTS, ModelServingConfig
+from service.engine.config import EngineConfig
+
+
+def model(deployment: dict[str, object]) -> ModelServingConfig:
+    return ModelServingConfig(name="m", checkpoint=DEFAULT_TRANSLATOR, engine=EngineConfig(n_slots=4, max_waiting=6), deployment=deployment)
+
+
+@pytest.mark.parametrize(
+    ("deployment", "message"),
+    [
+        ({"num_replica": 2}, "not an option of a Serve deployment: num_replica"),
+        ({"max_ongoing_requests": 3}, "set by the service"),
+        ({"health_check_period_s": -1}, "health_check_period_s"),  # Serve's schema: greater than 0
+        ({"ray_actor_options": {"num_cpus": -1}}, "num_cpus"),  # Serve's schema: not negative
+    ],
+)
+def test_options_serve_would_refuse_are_refused_when_the_config_is_read(deployment: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        model(deployment)
+
+
+def test_the_options_pass_through_over_the_services_defaults_with_the_engines_request_limit() -> None:
+    options = model({"num_replicas": 3, "ray_actor_options": {"num_cpus": 0.25}, "max_surge_percent": 25}).serve_options
+    assert options == {
+        **DEPLOYMENT_DEFAULTS,
+        "num_replicas": 3,
+        "ray_actor_options": {"num_cpus": 0.25},
+        "max_surge_percent": 25,
+        "max_ongoing_requests": 10,  # the engine's slots and queue
+        "max_queued_requests": 10,  # one replica's worth, unless set
+    }
+    assert model({"num_replicas": 3}).max_requests_held == 30
+    assert model({"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}).max_requests_held is None
