@@ -11,20 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.engine.config import EngineConfig
 
-# Set for Ray's processes before `ray.init`. Ray Serve's proxy must start within 5 s by default; on
-# a busy 2-core machine it may not, and is then killed and restarted in a loop. Ray starts its
-# workers, the model replicas among them, at niceness 15, below its own daemons: on a node whose
-# cores are all busy a replica's engine then loses CPU to them (on 2 cores, 32 streams: the engine
-# thread ran 0.45 CPU-seconds a second at 15 and 0.54 at 0, 913 and 1,093 tokens/s). glibc gives
-# each of a process's many threads (Ray's, the engine's) its own malloc arena, and the ingress's
-# resident memory crept up with fragmentation (163.6 -> 179.9 MB over 6,400 mixed requests; with
-# two arenas 161.5 -> 162.3 MB). The ingress reaches the model replicas over Serve's gRPC transport
-# instead of Ray actor calls: cheaper per streamed chunk (32 streams over HTTP, 2 cores: 1,603
-# against 984 tokens/s; `python -m benchmarks.serving`). Serve writes its logs to files only
-# (logs/serve/ in Ray's session directory), not also to stderr, whence Ray forwards every line to
-# the driver: in a burst of 576 requests that forwarding cost more CPU than the ingress's work
-# (the burst took 3.6 s with it and 2.3 s without; tests/service/test_overload.py). The
-# Dockerfile sets the same.
+# Set for Ray's processes before `ray.init` (and in the Dockerfile): a proxy start timeout for busy
+# machines, replicas at Ray's daemons' niceness, two malloc arenas, Serve's gRPC transport, Serve's
+# logs to files only. Why each, with the measurements: docs/reliability.md, "Ray's environment".
 RAY_ENVIRONMENT = {
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",

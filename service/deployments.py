@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,14 +130,14 @@ class ModelDeployment:
             **process_stats(),
         }
 
-    def inject_fault(self, kind: FaultKind, steps: int = 1, stall_s: float | None = None) -> str:
+    def inject_fault(self, kind: FaultKind, steps: int = 1, stall_s: float | None = None, release_file: str | None = None) -> str:
         """For fault tests, refused unless the config runs the engine through a FaultInjectingRunner:
-        each of the next `steps` engine steps raises ("error"), or first sleeps stall_s seconds
-        ("stall"; None: forever, a wedged loop that check_health reports and Serve replaces).
-        Returns this replica's id."""
+        each of the next `steps` engine steps raises ("error"), or first stalls ("stall"): stall_s
+        seconds (None: forever, a wedged loop that check_health reports and Serve replaces), or
+        until release_file exists. Returns this replica's id."""
         if self.faults is None:
             raise PermissionError("fault injection is off for this deployment")
-        self.faults.arm(kind, steps, stall_s)
+        self.faults.arm(kind, steps, stall_s, Path(release_file) if release_file is not None else None)
         return str(serve.get_replica_context().replica_id.unique_id)
 
     def check_health(self) -> None:

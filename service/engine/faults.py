@@ -3,6 +3,8 @@ armed by `arm` fail or stall. A deployment runs its engine through one only when
 asks for it (ModelServingConfig.fault_injection)."""
 
 import threading
+import time
+from pathlib import Path
 from typing import Literal
 
 from model.tokenizer import Tokenizer
@@ -14,8 +16,10 @@ FaultKind = Literal["error", "stall"]
 
 class FaultInjectingRunner:
     """`runner`'s steps, but each of the next `steps` steps after `arm` raises ("error") or first
-    sleeps stall_s seconds ("stall"; None: forever, a wedged step). Arming is thread-safe: tests
-    arm from the replica's request thread while the engine's thread steps."""
+    stalls ("stall"): for stall_s seconds (None: forever, a wedged step), or, given release_file,
+    until that file exists (a test on the same machine holds the step until it has seen what it
+    waits for). Arming is thread-safe: tests arm from the replica's request thread while the
+    engine's thread steps."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -26,19 +30,23 @@ class FaultInjectingRunner:
         self._kind: FaultKind = "error"
         self._remaining = 0
         self._stall_s: float | None = None
+        self._release_file: Path | None = None
 
-    def arm(self, kind: FaultKind, steps: int = 1, stall_s: float | None = None) -> None:
+    def arm(self, kind: FaultKind, steps: int = 1, stall_s: float | None = None, release_file: Path | None = None) -> None:
         with self._lock:
-            self._kind, self._remaining, self._stall_s = kind, steps, stall_s
+            self._kind, self._remaining, self._stall_s, self._release_file = kind, steps, stall_s, release_file
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         with self._lock:
             faulty = self._remaining > 0
             self._remaining -= faulty
-            kind, stall_s = self._kind, self._stall_s
+            kind, stall_s, release_file = self._kind, self._stall_s, self._release_file
         if faulty and kind == "error":
             raise RuntimeError("injected fault")
-        if faulty:
+        if faulty and release_file is not None:
+            while not release_file.exists():
+                time.sleep(0.05)
+        elif faulty:
             threading.Event().wait(stall_s)  # never set: sleeps stall_s, or forever
         return self.runner.execute(plan)
 

@@ -1,9 +1,10 @@
 """The fault-injecting runner: armed steps fail or stall, then the wrapped runner's steps go on."""
 
 import threading
+from pathlib import Path
 
 from service.engine.config import EngineConfig
-from service.engine.engine import Engine
+from service.engine.engine import Engine, StepOutput
 from service.engine.faults import FaultInjectingRunner
 from service.engine.request import GenerationParams, Request
 from tests.helpers import FakeRunner
@@ -38,3 +39,19 @@ def test_a_stall_forever_wedges_the_step_and_a_timed_stall_then_serves() -> None
     engine.add_request(Request("paused", [10, 2], GenerationParams(max_tokens=5)))
     output = engine.step()
     assert output.error is None and [t for d in output.deltas for t in d.token_ids] == [11]
+
+
+def test_a_stall_until_a_file_exists_holds_the_step_until_the_file_is_written(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    held = FaultInjectingRunner(FakeRunner())
+    held.arm("stall", steps=1, release_file=release)
+    engine = Engine(held, EngineConfig(n_slots=2))
+    engine.add_request(Request("held", [10, 2], GenerationParams(max_tokens=5)))
+    outputs: list[StepOutput] = []
+    stepping = threading.Thread(target=lambda: outputs.append(engine.step()), daemon=True)
+    stepping.start()
+    stepping.join(timeout=0.5)
+    assert stepping.is_alive() and not outputs  # held: the file is not there
+    release.touch()
+    stepping.join(timeout=60)
+    assert not stepping.is_alive() and [t for d in outputs[0].deltas for t in d.token_ids] == [11]
