@@ -40,7 +40,7 @@ LATENCY_BUCKETS = [
 # Ray rebuilds a histogram's sum from bucket midpoints, so one bucket per batch size up to 32
 # (edges at k + 0.5, midpoint k) keeps rate(sum) / rate(count), the mean batch, exact there.
 BATCH_BUCKETS = [k + 0.5 for k in range(33)] + [48.5, 64.5, 96.5, 128.5, 256.5]
-FAILURE_REASONS = ("validation", "overloaded", "cancelled", "timeout", "internal")
+FAILURE_REASONS = ("validation", "overloaded", "cancelled", "timeout", "internal", "unavailable")
 ENGINE_FAILURES = {"abort": "cancelled", "error": "internal", "timeout": "timeout"}
 
 
@@ -48,6 +48,18 @@ def request_failure_counter() -> Counter:
     """Also used by the ingress, which refuses malformed requests before any replica sees them."""
     tags: Any = ("model", "reason")
     return Counter("serving_request_failure_total", "Failed requests by reason.", tags)
+
+
+# What became of requests whose replica was lost (service/ingress.py, RayBackend): "retried" each
+# time one is sent again, "answered" when a retried one is answered in full, "unavailable" when the
+# tries run out (503), "cut" when a stream had begun (it ends with an error event).
+RETRY_OUTCOMES = ("retried", "answered", "unavailable", "cut")
+
+
+def request_retry_counter() -> Counter:
+    """Counted by the ingress, by model and outcome (RETRY_OUTCOMES)."""
+    tags: Any = ("model", "outcome")
+    return Counter("serving_request_retries_total", "Requests whose replica was lost, by outcome.", tags)
 
 
 class ServingMetrics:

@@ -59,6 +59,11 @@ class Refusal:
     param: str | None = None  # the request field at fault, for "invalid"
 
 
+class ReplicaLostError(Exception):
+    """The replica streaming a request was lost (its process or node died) after part of the
+    answer had gone to the client: the request was not finished, and may be sent again."""
+
+
 @dataclass(frozen=True)
 class AttentionRequest:
     """Attention weights of one input, from the model's explicit attention path."""

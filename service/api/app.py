@@ -16,6 +16,7 @@ from service.api import libretranslate_routes, openai_routes, playground_routes,
 from service.api.auth import ApiKeyMiddleware
 from service.api.backend import Backends, model_of_path
 from service.api.errors import FailureHook, error_response, install_error_handlers, route_path
+from service.api.schemas import Health, Readiness
 from service.config import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -143,13 +144,27 @@ class AdmissionMiddleware:
             self.in_flight -= 1
 
 
+class ServiceAPI(FastAPI):
+    """FastAPI documenting only the statuses the service sends: a request that fails validation is
+    answered 400 with the route's error body (service/api/errors.py), never FastAPI's 422."""
+
+    def openapi(self) -> dict[str, Any]:
+        schema = super().openapi()
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema["components"]["schemas"].pop(name, None)
+        return schema
+
+
 def create_api(
     config: ServiceConfig, backends: Backends, on_failure: FailureHook | None = None, access_log: logging.Logger | None = None
 ) -> FastAPI:
     """The HTTP application over two model backends (Ray handles in production, anything that
     streams dicts in a test). Routes read `app.state.config` and `app.state.backends`. access_log
     takes one line per request (default: the logger "service.api.access")."""
-    api = FastAPI(
+    api = ServiceAPI(
         title="Transformer serving",
         version="0.1.0",
         description="English -> German translation and Shakespeare generation with continuous batching.",
@@ -184,17 +199,22 @@ def create_api(
         api.include_router(router)
     api.mount("/static", StaticFiles(directory=playground_routes.STATIC), name="static")
 
-    @api.get("/healthz", tags=["health"])
+    @api.get("/healthz", tags=["health"], response_model=Health)
     async def healthz() -> dict[str, str]:
         """The ingress process is alive."""
         return {"status": "ok"}
 
-    @api.get("/health", tags=["libretranslate"])
+    @api.get("/health", tags=["libretranslate"], response_model=Health)
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @api.get("/readyz", tags=["health"], responses={503: {"description": "A model is not loaded and warmed yet"}})
-    async def readyz() -> Any:
+    @api.get(
+        "/readyz",
+        tags=["health"],
+        response_model=Readiness,
+        responses={503: {"model": Readiness, "description": "A model is not loaded and warmed yet"}},
+    )
+    async def readyz() -> dict[str, str] | JSONResponse:
         """Both models loaded and warmed (their replicas answer)."""
         try:
             ready = await backends.translator.ready() and await backends.generator.ready()

@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from fastapi.routing import APIRoute
 
 from service.api.errors import APIError
-from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, RefusalKind
+from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, RefusalKind, ReplicaLostError
 
 
 class ModelBackend(Protocol):
@@ -96,7 +96,7 @@ async def open_stream(backend: ModelBackend, request: GenerateRequest, retry_aft
     if first.finish_reason == "timeout":
         await stream.aclose()
         raise timeout_error(retry_after)
-    return _chunks(first, stream)
+    return _chunks(first, stream, retry_after)
 
 
 def timeout_error(retry_after: int) -> APIError:
@@ -104,12 +104,16 @@ def timeout_error(retry_after: int) -> APIError:
     return APIError(503, "the request timed out waiting for the model; retry later", None, retry_after, counted=True)
 
 
-async def _chunks(first: Chunk, rest: AsyncGenerator[Chunk | Refusal, None]) -> AsyncGenerator[Chunk, None]:
+async def _chunks(first: Chunk, rest: AsyncGenerator[Chunk | Refusal, None], retry_after: int) -> AsyncGenerator[Chunk, None]:
+    """The stream's chunks. Its replica lost after the answer began: a 503 APIError that says the
+    request may be sent again (a route that has sent its 200 turns it into an error event)."""
     try:
         yield first
         async for item in rest:
             assert isinstance(item, Chunk), "a refusal comes first and alone"
             yield item
+    except ReplicaLostError as error:
+        raise APIError(503, str(error), None, retry_after, counted=True) from error
     finally:
         await rest.aclose()
 

@@ -9,6 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.schemas import LibreTranslateError, OpenAIError, OpenAIErrorDetail
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -39,12 +41,13 @@ FailureHook = Callable[[str, str], None]  # (request path, failure reason) for r
 
 def error_response(path: str, status: int, message: str, param: str | None = None, retry_after: int | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    body: dict[str, Any]
+    body: OpenAIError | LibreTranslateError
     if path.startswith("/v1/"):
-        body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "internal_error"), "param": param, "code": status}}
+        kind = ERROR_TYPES.get(status, "internal_error")
+        body = OpenAIError(error=OpenAIErrorDetail(message=message, type=kind, param=param, code=status))
     else:
-        body = {"error": message}
-    return JSONResponse(body, status_code=status, headers=headers)
+        body = LibreTranslateError(error=message)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def _param(location: tuple[Any, ...]) -> str:

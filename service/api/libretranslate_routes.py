@@ -11,7 +11,16 @@ from pydantic import BaseModel, ValidationError
 from service.api.backend import MODEL_EXTENSION
 from service.api.errors import APIError
 from service.api.language_id import detect_languages
-from service.api.schemas import DetectRequest, LibreTranslateRequest
+from service.api.schemas import (
+    DetectedLanguage,
+    DetectRequest,
+    FrontendSettings,
+    Language,
+    LibreTranslateError,
+    LibreTranslateRequest,
+    LibreTranslateResponse,
+    error_responses,
+)
 from service.api.translation import check_size, plain_text, refuse_foreign_text, translate_documents
 from service.config import ServiceConfig
 from service.protocol import GenerateRequest
@@ -72,7 +81,9 @@ async def read_libretranslate_body(request: Request, schema: type[Body]) -> Body
 @router.post(
     "/translate",
     tags=["libretranslate"],
-    responses={400: {"description": "Invalid request"}, 429: {"description": "Overloaded"}},
+    response_model=LibreTranslateResponse,
+    response_model_exclude_unset=True,  # alternatives and detectedLanguage only when asked for
+    responses=error_responses(LibreTranslateError, 400, 403, 413, 429, 500, 503),
     openapi_extra={**libretranslate_body(LibreTranslateRequest), MODEL_EXTENSION: "translator"},
 )
 async def libretranslate(request: Request) -> dict[str, Any]:
@@ -108,7 +119,8 @@ async def libretranslate(request: Request) -> dict[str, Any]:
 @router.post(
     "/detect",
     tags=["libretranslate"],
-    responses={400: {"description": "Invalid request"}},
+    response_model=list[DetectedLanguage],
+    responses=error_responses(LibreTranslateError, 400, 403, 413, 503),
     openapi_extra=libretranslate_body(DetectRequest),
 )
 async def detect(request: Request) -> list[dict[str, Any]]:
@@ -122,12 +134,14 @@ async def detect(request: Request) -> list[dict[str, Any]]:
     return [{"confidence": round(d.confidence * 100, 1), "language": d.language} for d in detect_languages(body.q)]
 
 
-@router.get("/languages", tags=["libretranslate"])
+@router.get("/languages", tags=["libretranslate"], response_model=list[Language], responses=error_responses(LibreTranslateError, 503))
 async def languages() -> list[dict[str, Any]]:
     return LANGUAGES
 
 
-@router.get("/frontend/settings", tags=["libretranslate"])
+@router.get(
+    "/frontend/settings", tags=["libretranslate"], response_model=FrontendSettings, responses=error_responses(LibreTranslateError, 503)
+)
 async def frontend_settings(request: Request) -> dict[str, Any]:
     """What LibreTranslate's clients read before translating: limits, the language pair and
     whether an API key is required."""

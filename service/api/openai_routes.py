@@ -10,15 +10,24 @@ from fastapi.responses import StreamingResponse
 
 from service.api.backend import MODEL_EXTENSION, Backends, final_chunk, open_stream
 from service.api.errors import APIError
-from service.api.schemas import CompletionRequest
-from service.api.streams import ERROR_RESPONSES, sse, sse_error
+from service.api.schemas import (
+    MODEL_ERRORS,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+    OpenAIError,
+    error_responses,
+    event_stream,
+)
+from service.api.streams import sse, sse_error
 from service.config import ServiceConfig
 from service.protocol import Chunk, GenerateRequest
 
 router = APIRouter()
 
 
-@router.get("/v1/models", tags=["openai"])
+@router.get("/v1/models", tags=["openai"], response_model=ModelList, responses=error_responses(OpenAIError, 401, 503))
 async def list_models(request: Request) -> dict[str, Any]:
     config: ServiceConfig = request.app.state.config
     created = request.app.state.started
@@ -59,7 +68,13 @@ def generate_request(body: CompletionRequest, config: ServiceConfig) -> Generate
     )
 
 
-@router.post("/v1/completions", tags=["openai"], responses=ERROR_RESPONSES, openapi_extra={MODEL_EXTENSION: "generator"})
+@router.post(
+    "/v1/completions",
+    tags=["openai"],
+    response_model=CompletionResponse,
+    responses={**MODEL_ERRORS, **event_stream(CompletionChunk)},
+    openapi_extra={MODEL_EXTENSION: "generator"},
+)
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
     """OpenAI completions; `stream: true` answers with server-sent events in OpenAI's format."""
     config: ServiceConfig = request.app.state.config
@@ -91,14 +106,19 @@ async def stream_completion(
     stream: AsyncIterator[Chunk], base: dict[str, Any], include_usage: bool, continuous_usage: bool = False
 ) -> AsyncIterator[str]:
     """OpenAI's stream: a frame per chunk with text; with include_usage a last frame of usage
-    alone; with continuous_usage_stats (vLLM's extension) the usage so far on every frame."""
-    async for chunk in stream:
-        if chunk.finish_reason == "error":
-            yield sse_error("internal error during generation", 500)
-            break
-        if chunk.text or chunk.finish_reason is not None:
-            choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
-            yield sse({**base, "choices": [choice], **({"usage": usage(chunk)} if continuous_usage else {})})
-        if chunk.finish_reason is not None and include_usage:
-            yield sse({**base, "choices": [], "usage": usage(chunk)})
+    alone; with continuous_usage_stats (vLLM's extension) the usage so far on every frame. A
+    failure after the 200 (the engine's, or a lost replica's: a 503 that may be retried) is one
+    error frame, then [DONE]."""
+    try:
+        async for chunk in stream:
+            if chunk.finish_reason == "error":
+                yield sse_error("internal error during generation", 500)
+                break
+            if chunk.text or chunk.finish_reason is not None:
+                choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+                yield sse({**base, "choices": [choice], **({"usage": usage(chunk)} if continuous_usage else {})})
+            if chunk.finish_reason is not None and include_usage:
+                yield sse({**base, "choices": [], "usage": usage(chunk)})
+    except APIError as error:
+        yield sse_error(error.message, error.status)
     yield sse("[DONE]")

@@ -5,12 +5,11 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, HTMLResponse
 
-from service.api.backend import Backends, attention_map
+from service.api.backend import MODEL_EXTENSION, Backends, attention_map
 from service.api.errors import APIError
-from service.api.schemas import AttentionRequestBody
-from service.api.streams import ERROR_RESPONSES
+from service.api.schemas import ERROR_DESCRIPTIONS, MODEL_ERRORS, AttentionRequestBody, LibreTranslateError, SelfAttention, inlined_schema
 from service.api.translation_routes import attention_json
 from service.config import ServiceConfig
 from service.protocol import AttentionRequest
@@ -20,12 +19,21 @@ STATIC = Path(__file__).parent / "static"
 router = APIRouter()
 
 
-@router.get("/", include_in_schema=False)
+# The page's refusal (the ingress is full) is JSON, whatever the page's own media type.
+REFUSED: dict[int | str, dict[str, Any]] = {
+    503: {"description": ERROR_DESCRIPTIONS[503], "content": {"application/json": {"schema": inlined_schema(LibreTranslateError)}}}
+}
+
+
+@router.get("/", tags=["playground"], response_class=HTMLResponse, responses=REFUSED)
 async def playground() -> FileResponse:
+    """The playground page (HTML)."""
     return FileResponse(STATIC / "index.html", media_type="text/html")
 
 
-@router.post("/v1/attention", tags=["playground"], responses=ERROR_RESPONSES)
+@router.post(
+    "/v1/attention", tags=["playground"], response_model=SelfAttention, responses=MODEL_ERRORS, openapi_extra={MODEL_EXTENSION: "generator"}
+)
 async def attention(body: AttentionRequestBody, request: Request) -> dict[str, Any]:
     """The generator's self-attention over `text`: `weights[layer][head][i][j]` is how much token
     i attends to token j (j <= i; each row sums to 1), from the model's explicit attention path.

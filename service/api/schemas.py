@@ -1,8 +1,11 @@
-"""Request bodies, validated at the edge. Strict types: `true` is not a number, NaN is not a float."""
+"""Request bodies, validated at the edge (strict types: `true` is not a number, NaN is not a float),
+and the responses every route documents in the OpenAPI schema."""
 
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic.alias_generators import to_camel
+from pydantic.json_schema import SkipJsonSchema
 
 from service.protocol import DEFAULT_TEMPERATURE
 
@@ -33,6 +36,16 @@ class StreamOptions(StrictModel):
 class CompletionRequest(StrictModel):
     """OpenAI `POST /v1/completions`. Fields that would change the output but are not supported
     are accepted only at their neutral value and rejected otherwise, naming the field."""
+
+    # The examples (on every request model) are in the schema, and the schema fuzzing sends them.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"prompt": "ROMEO:", "max_tokens": 16},
+                {"prompt": "ROMEO:", "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}},
+            ]
+        }
+    )
 
     model: StrictStr | None = None  # omitted: the generator (as vLLM serves its one model)
     prompt: Text | list[Text]
@@ -89,6 +102,9 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 class TranslateRequest(StrictModel):
     """`POST /v1/translate`."""
 
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"text": "A dog runs.", "alternatives": 1}, {"text": "A dog. A cat.", "stream": True}]}
+    )
     text: Text | list[Text]
     source_lang: Literal["en", "auto"] = "en"  # auto: text detected as another language is a 400
     target_lang: Literal["de"] = "de"
@@ -106,6 +122,7 @@ class TranslateRequest(StrictModel):
 class AttentionRequestBody(StrictModel):
     """`POST /v1/attention`: the generator's self-attention over a text."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{"text": "ROMEO: What light"}]})
     text: Text = Field(min_length=1)
     model: StrictStr | None = None
 
@@ -113,7 +130,9 @@ class AttentionRequestBody(StrictModel):
 class LibreTranslateRequest(StrictModel):
     """LibreTranslate `POST /translate` (JSON or form); unknown fields are ignored, as LibreTranslate does."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="ignore", allow_inf_nan=False, json_schema_extra={"examples": [{"q": "A dog runs.", "source": "auto", "alternatives": 1}]}
+    )
 
     q: Text | list[Text]
     source: StrictStr = "auto"
@@ -126,7 +145,245 @@ class LibreTranslateRequest(StrictModel):
 class DetectRequest(StrictModel):
     """LibreTranslate `POST /detect` (JSON or form)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, json_schema_extra={"examples": [{"q": "A dog runs in the park."}]})
 
     q: Text
     api_key: StrictStr | None = None
+
+
+# Responses. Models forbid fields they do not declare, so a route that answers something else fails
+# its tests rather than documenting less than it sends. A field that defaults to None without None
+# in its schema is left out of the answer when not set (the routes use response_model_exclude_unset).
+
+Finish = Literal["stop", "length"]  # how an answer ends (a failure or a timeout is an error status or event)
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CamelModel(ResponseModel):
+    """LibreTranslate's field names (camelCase) on the wire."""
+
+    model_config = ConfigDict(alias_generator=to_camel)
+
+
+class OpenAIErrorDetail(ResponseModel):
+    message: str
+    type: str
+    param: str | None  # the request field at fault
+    code: int | None  # the HTTP status
+
+
+class OpenAIError(ResponseModel):
+    """The error body under /v1 (OpenAI's envelope), and the event that ends a failed stream."""
+
+    error: OpenAIErrorDetail
+
+
+class LibreTranslateError(ResponseModel):
+    """The error body outside /v1: `{"error": "<message>"}`, as LibreTranslate answers."""
+
+    error: str
+
+
+class Health(ResponseModel):
+    status: Literal["ok"]
+
+
+class Readiness(ResponseModel):
+    status: Literal["ready", "not ready"]
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(ResponseModel):
+    """`GET /v1/models`."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenUsage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Usage(TokenUsage):
+    total_tokens: int
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str  # in a stream, the text since the previous event
+    logprobs: None
+    finish_reason: Finish | None  # None on a stream's events before its last text
+
+
+class CompletionFields(ResponseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+
+
+class CompletionResponse(CompletionFields):
+    """`POST /v1/completions` without `stream`."""
+
+    usage: Usage
+
+
+class CompletionChunk(CompletionFields):
+    """One event of a streamed completion. With `stream_options.include_usage` a last one has no
+    choices and the usage; with `continuous_usage_stats` every one has the usage so far."""
+
+    usage: Usage | SkipJsonSchema[None] = None
+
+
+class CrossAttention(ResponseModel):
+    """The translator's attention: weights[layer][head][target token][source token]."""
+
+    source_tokens: list[str]
+    target_tokens: list[str]
+    layers: int
+    heads: int
+    weights: list[list[list[list[float]]]]
+
+
+class TranslatedSentence(ResponseModel):
+    source: tuple[int, int]  # where the sentence is in its text: [start, end)
+    text: str
+    alternatives: list[str]
+    finish_reason: Finish
+    attention: CrossAttention | SkipJsonSchema[None] = None  # with return_attention
+
+
+class Translation(ResponseModel):
+    text: str
+    alternatives: list[str]
+    finish_reason: Finish  # "length" when any sentence was cut by max_tokens
+    sentences: list[TranslatedSentence]
+
+
+class TranslateResponse(ResponseModel):
+    """`POST /v1/translate` without `stream`: one translation per text, in order."""
+
+    model: str
+    translations: list[Translation]
+    usage: Usage
+
+
+class TranslateChunk(ResponseModel):
+    """One event of a streamed translation; the last has the finish reason and the usage."""
+
+    text: str
+    finish_reason: Finish | None
+    usage: TokenUsage | SkipJsonSchema[None] = None
+
+
+class SelfAttention(ResponseModel):
+    """`POST /v1/attention`: weights[layer][head][i][j], how much token i attends to token j."""
+
+    model: str
+    tokens: list[str]
+    layers: int
+    heads: int
+    weights: list[list[list[list[float]]]]
+
+
+class DetectedLanguage(ResponseModel):
+    confidence: float  # percent
+    language: str
+
+
+class LibreTranslateResponse(CamelModel):
+    """LibreTranslate's `/translate`: for a list `q`, every field is a list aligned with it."""
+
+    translated_text: str | list[str]
+    alternatives: list[str] | list[list[str]] | SkipJsonSchema[None] = None  # with alternatives > 0
+    detected_language: DetectedLanguage | list[DetectedLanguage] | SkipJsonSchema[None] = None  # with source "auto"
+
+
+class Language(ResponseModel):
+    code: str
+    name: str
+    targets: list[str]
+
+
+class LanguageName(ResponseModel):
+    code: str
+    name: str
+
+
+class FrontendLanguages(ResponseModel):
+    source: LanguageName
+    target: LanguageName
+
+
+class FrontendSettings(CamelModel):
+    """LibreTranslate's `/frontend/settings`."""
+
+    char_limit: int
+    frontend_timeout: int
+    api_keys: bool
+    key_required: bool
+    suggestions: bool
+    files_translation: bool
+    supported_files_format: list[str]
+    language: FrontendLanguages
+
+
+ERROR_DESCRIPTIONS = {
+    400: "Invalid request; under /v1 `error.param` names the field",
+    401: "API keys are configured and the request has no valid `Authorization: Bearer` key",
+    403: "The request's API key is wrong",
+    404: "Unknown model",
+    413: "Body too large",
+    429: "The model's queue is full; retry after `Retry-After` seconds",
+    500: "Internal error (no details)",
+    503: "The service is overloaded, no replica is available or the request timed out; retry after `Retry-After` seconds",
+}
+
+
+def error_responses(body: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses` for its error statuses, each with the error body it sends."""
+    return {status: {"model": body, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+# The statuses of the /v1 routes that run a model, from the route, its model and the middleware.
+MODEL_ERRORS = error_responses(OpenAIError, 400, 401, 404, 413, 429, 500, 503)
+
+
+def inlined_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """model's JSON schema as sent, with its definitions inlined: a schema to embed by value."""
+    schema = model.model_json_schema(mode="serialization")
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(definitions[node["$ref"].removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        return [inline(item) for item in node] if isinstance(node, list) else node
+
+    return inline(schema)
+
+
+def event_stream(event: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The `responses` entry of a route that answers with server-sent events when asked to stream:
+    each event is `data: <event as JSON>`, an error event (OpenAIError) if the stream fails after
+    its start, and the last is `data: [DONE]`."""
+    frame = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [inlined_schema(event), inlined_schema(OpenAIError)]},
+    }
+    schema = {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [{"const": "[DONE]"}, frame]}}}
+    description = "The answer as JSON; with `stream: true`, server-sent events"
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": schema}}}}

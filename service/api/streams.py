@@ -1,15 +1,7 @@
-"""What the routes share for answering: server-sent events and the documented error responses."""
+"""What the routes share for answering: server-sent events, and their error event."""
 
 import json
 from typing import Any
-
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"description": "Invalid request; `error.param` names the field"},
-    404: {"description": "Unknown model"},
-    413: {"description": "Body too large"},
-    429: {"description": "Engine queue full; retry after `Retry-After` seconds"},
-    503: {"description": "No replica available or the service is overloaded (Ray Serve)"},
-}
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -18,6 +10,7 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 def sse_error(message: str, status: int) -> str:
-    """An error event in OpenAI's envelope, sent when a stream fails after its 200."""
-    kind = "rate_limit_error" if status == 429 else "internal_error"
+    """An error event in OpenAI's envelope, sent when a stream fails after its 200: a 503 (its
+    replica was lost, or a deadline passed) is a "server_error" that may be retried."""
+    kind = {429: "rate_limit_error", 503: "server_error"}.get(status, "internal_error")
     return sse({"error": {"message": message, "type": kind, "param": None, "code": status}})

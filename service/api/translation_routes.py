@@ -11,9 +11,9 @@ from fastapi.responses import StreamingResponse
 
 from service.api.backend import MODEL_EXTENSION, Backends, attention_map, open_stream
 from service.api.errors import APIError
-from service.api.schemas import TranslateRequest
+from service.api.schemas import MODEL_ERRORS, TranslateChunk, TranslateRequest, TranslateResponse, event_stream
 from service.api.sentences import Span
-from service.api.streams import ERROR_RESPONSES, sse, sse_error
+from service.api.streams import sse, sse_error
 from service.api.translation import (
     TextTranslation,
     check_size,
@@ -30,7 +30,14 @@ from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequ
 router = APIRouter()
 
 
-@router.post("/v1/translate", tags=["translation"], responses=ERROR_RESPONSES, openapi_extra={MODEL_EXTENSION: "translator"})
+@router.post(
+    "/v1/translate",
+    tags=["translation"],
+    response_model=TranslateResponse,
+    response_model_exclude_unset=True,  # a sentence's attention only with return_attention
+    responses={**MODEL_ERRORS, **event_stream(TranslateChunk)},
+    openapi_extra={MODEL_EXTENSION: "translator"},
+)
 async def translate(body: TranslateRequest, request: Request) -> Any:
     """English -> German, sentence by sentence. Beam search with n-best `alternatives`;
     `format: "html"` translates the text of HTML documents and keeps their markup; `stream: true`
