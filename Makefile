@@ -1,10 +1,13 @@
-# make install: .venv with everything; make test: lint + type check + tests; make serve: the service.
+# make install: .venv with everything; make serve: the service.
+# make test: lint, types and the quick tier (every test not marked slow: unit, API, engine, one real
+# Serve app); make test-all: lint, types and every test (soak, overload, faults, fuzzing, Locust,
+# the cluster, Prometheus, the browser). Both print the 15 slowest tests.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck serve
+.PHONY: install test test-all lint typecheck serve
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -21,8 +24,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+PYTEST := $(BIN)/python -m pytest -q --durations=15
+
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -m "not slow"
+
+test-all: lint typecheck
+	$(PYTEST)
 
 serve: $(STAMP)
 	$(BIN)/python -m service

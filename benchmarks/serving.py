@@ -40,6 +40,7 @@ from typing import Any
 
 import httpx
 import torch
+from httpx_sse import aconnect_sse
 
 from model.sampling import GREEDY
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
@@ -126,14 +127,12 @@ async def complete_http_stream(client: httpx.AsyncClient, prompt: str, model: st
     }
     started = time.perf_counter()
     first_token_s, finish_reason, tokens = None, None, -1
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200, (await response.aread()).decode()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
+    async with aconnect_sse(client, "POST", "/v1/completions", json=body) as source:
+        assert source.response.status_code == 200, (await source.response.aread()).decode()
+        async for event in source.aiter_sse():
+            if event.data == "[DONE]":
                 break
-            frame = json.loads(line.removeprefix("data: "))
+            frame = event.json()
             assert "error" not in frame, frame
             for choice in frame["choices"]:
                 if first_token_s is None and choice["text"]:

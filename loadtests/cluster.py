@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from service.config import RAY_ENVIRONMENT
 
@@ -159,23 +160,15 @@ def replicas_of(app: Mapping[str, Any]) -> list[Replica]:
 
 
 def session_members(sessions: set[int]) -> list[int]:
-    """Pids of live processes in these sessions (Linux /proc)."""
+    """Pids of live (not zombie) processes in these sessions."""
     members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) in sessions and not zombie(entry):
-                    members.append(int(entry.name))
-            except (ProcessLookupError, PermissionError):
-                continue
+    for process in psutil.process_iter(["status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(process.pid) in sessions:
+                members.append(process.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
     return members
-
-
-def zombie(proc_entry: Path) -> bool:
-    try:
-        return proc_entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def cluster_env(directory: Path, extra: Mapping[str, str]) -> dict[str, str]:

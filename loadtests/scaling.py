@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml  # type: ignore[import-untyped]
+import yaml
+from httpx_sse import SSEError, aconnect_sse
 
 from loadtests.cluster import ROOT, LocalCluster, Replica, ReplicaCheck, free_port, local_cluster, replicas_of, write_config
 
@@ -49,8 +50,8 @@ def cluster_config(port: int, base: Path = CPU_CONFIG, models: Mapping[str, Mapp
     args = config["applications"][0]["args"]
     for name in ("translator", "generator"):
         model = args[name]
-        if isinstance(model.get("autoscaling_config"), dict):
-            model["autoscaling_config"].update(CLUSTER_AUTOSCALING)
+        if isinstance(model["deployment"].get("autoscaling_config"), dict):
+            model["deployment"]["autoscaling_config"].update(CLUSTER_AUTOSCALING)
         model.update((models or {}).get(name, {}))
     return config
 
@@ -73,6 +74,8 @@ class Result:
     end: float
     status: int  # 0: no HTTP answer
     error: str | None  # None: a complete, well-formed answer
+    body: dict[str, Any] = field(default_factory=dict)  # what was sent
+    text: str = ""  # a completion's text (a stream's: its frames' text joined)
 
 
 @dataclass
@@ -123,24 +126,20 @@ class Scenario:
     settle_timeout_s: float = 180.0  # a bound on a broken cluster, not a performance limit
 
 
-def sse_data(body: str) -> list[str]:
-    """The `data:` payloads of an SSE body, one per event."""
-    return [line[len("data: ") :] for line in body.splitlines() if line.startswith("data: ")]
-
-
-def check_stream(body: str) -> str | None:
-    """None for a complete OpenAI stream: text frames, a finish_reason, usage, then [DONE]."""
-    payloads = sse_data(body)
-    if not payloads or payloads[-1] != "[DONE]" or "[DONE]" in payloads[:-1]:
-        return "the stream did not end with [DONE]"
-    frames = [json.loads(p) for p in payloads[:-1]]
-    if any("error" in f for f in frames):
-        return f"error frame: {body[-300:]}"
-    if not any(c.get("finish_reason") for f in frames for c in f.get("choices", [])):
-        return "no finish_reason"
-    if not any(f.get("usage") and f["usage"]["completion_tokens"] >= 1 for f in frames):
-        return "no usage frame"
-    return None
+def check_stream(frames: list[str]) -> tuple[str, str | None]:
+    """The text of an OpenAI stream's data frames, and None when they are complete: text frames,
+    a finish_reason, usage, then [DONE]; else what was wrong."""
+    if not frames or frames[-1] != "[DONE]" or "[DONE]" in frames[:-1]:
+        return "", "the stream did not end with [DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    text = "".join(c["text"] for chunk in chunks for c in chunk.get("choices", []))
+    if any("error" in chunk for chunk in chunks):
+        return text, f"error frame: {frames[-2][:300]}"
+    if not any(c.get("finish_reason") for chunk in chunks for c in chunk.get("choices", [])):
+        return text, "no finish_reason"
+    if not any(chunk.get("usage") and chunk["usage"]["completion_tokens"] >= 1 for chunk in chunks):
+        return text, "no usage frame"
+    return text, None
 
 
 def check_completion(answer: Any) -> str | None:
@@ -155,20 +154,27 @@ def check_translation(answer: Any) -> str | None:
     return None if isinstance(text, str) and text.strip() else f"empty translation: {str(answer)[:300]}"
 
 
-async def request(http: httpx.AsyncClient, kind: str, rng: random.Random, max_tokens: int) -> tuple[int, str | None]:
-    """Sends one request of this kind; returns the status and None, or what was wrong."""
+async def request(http: httpx.AsyncClient, kind: str, rng: random.Random, max_tokens: int) -> Result:
+    """Sends one request of this kind; returns its Result (times not yet set)."""
     completion = {"model": GENERATOR_MODEL, "prompt": rng.choice(DATA["prompts"]), "max_tokens": max_tokens}
     completion |= {"temperature": 0.8, "seed": rng.randrange(1 << 30)}
     if kind == "stream":
         body = completion | {"stream": True, "stream_options": {"include_usage": True}}
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            text = (await response.aread()).decode()
-            return response.status_code, (check_stream(text) if response.status_code == 200 else text[:300])
+        async with aconnect_sse(http, "POST", "/v1/completions", json=body) as source:
+            if source.response.status_code != 200:
+                return Result(kind, 0, 0, source.response.status_code, (await source.response.aread()).decode()[:300], body)
+            text, error = check_stream([event.data async for event in source.aiter_sse()])
+            return Result(kind, 0, 0, 200, error, body, text)
     if kind == "completion":
         response = await http.post("/v1/completions", json=completion)
-        return response.status_code, (check_completion(response.json()) if response.status_code == 200 else response.text[:300])
-    response = await http.post("/v1/translate", json={"text": rng.choice(DATA["sentences"]), "beam_size": 4})
-    return response.status_code, (check_translation(response.json()) if response.status_code == 200 else response.text[:300])
+        if response.status_code != 200:
+            return Result(kind, 0, 0, response.status_code, response.text[:300], completion)
+        return Result(kind, 0, 0, 200, check_completion(response.json()), completion, response.json()["choices"][0]["text"])
+    body = {"text": rng.choice(DATA["sentences"]), "beam_size": 4}
+    response = await http.post("/v1/translate", json=body)
+    return Result(
+        kind, 0, 0, response.status_code, check_translation(response.json()) if response.status_code == 200 else response.text[:300], body
+    )
 
 
 async def client(
@@ -180,10 +186,11 @@ async def client(
             return
         start = time.monotonic() - t0
         try:
-            status, error = await request(http, kind, rng, load.max_tokens)
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as failure:
-            status, error = 0, repr(failure)
-        timeline.results.append(Result(kind, start, time.monotonic() - t0, status, error))
+            result = await request(http, kind, rng, load.max_tokens)
+        except (httpx.HTTPError, SSEError, ValueError, KeyError, IndexError, TypeError) as failure:
+            result = Result(kind, 0, 0, 0, repr(failure))
+        result.start, result.end = start, time.monotonic() - t0
+        timeline.results.append(result)
         answered.set()
 
 
@@ -253,15 +260,15 @@ async def timed(action: Callable[[], object], timeline: Timeline, t0: float) -> 
 def autoscaling_scenario(after_scale_out: int = 200) -> Scenario:
     """24 clients (the shipped generator target is 8 streams a replica): 16 streaming, 6
     non-streaming completions, 2 translating. The load goes on until the generator has 2 replicas
-    RUNNING and `after_scale_out` more requests are answered (at most 150 a client), then stops;
-    the scenario ends when the generator is back to one replica."""
+    RUNNING and `after_scale_out` more requests are answered, then stops (at most 1,000 a client: a
+    bound on a broken cluster); the scenario ends when the generator is back to one replica."""
 
     def scaled_out_and_served(timeline: Timeline) -> bool:
         t = timeline.first("Generator", 2)
         return t is not None and timeline.completed_after(t) >= after_scale_out
 
     return Scenario(
-        load=Load(streams=16, completions=6, translations=2, max_requests=150),
+        load=Load(streams=16, completions=6, translations=2, max_requests=1000),
         stop_when=scaled_out_and_served,
         settled=ReplicaCheck(running={"Generator": 1, "Translator": 1}),
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from httpx_sse import SSEError, aconnect_sse
 
 StatsSampler = Callable[[], dict[str, dict[str, int]]]  # process name -> process_stats()
 
@@ -54,17 +55,16 @@ async def _one_request(http: httpx.AsyncClient, rng: random.Random) -> str:
         return "ok" if response.status_code == 200 else f"failed:{response.status_code}"
     cancel_after = rng.randrange(2, 6) if rng.random() < 0.2 else None  # a fifth are cancelled midway
     body = {"prompt": "JULIET:\n", "max_tokens": 64, "seed": rng.randrange(1000), "stream": True}
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            return f"failed:{response.status_code}"
+    async with aconnect_sse(http, "POST", "/v1/completions", json=body) as source:
+        if source.response.status_code != 200:
+            return f"failed:{source.response.status_code}"
         frames = 0
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
+        async for event in source.aiter_sse():
+            if event.data == "[DONE]":
                 return "ok"
-            if line.startswith("data: "):
-                frames += 1
-                if cancel_after is not None and frames >= cancel_after:
-                    return "cancelled"  # leaving the block closes the connection mid-stream
+            frames += 1
+            if cancel_after is not None and frames >= cancel_after:
+                return "cancelled"  # leaving the block closes the connection mid-stream
     return "failed:cut"
 
 
@@ -72,7 +72,7 @@ async def _worker(http: httpx.AsyncClient, rng: random.Random, deadline: float, 
     while time.monotonic() < deadline:
         try:
             outcomes[await _one_request(http, rng)] += 1
-        except httpx.HTTPError as error:
+        except (httpx.HTTPError, SSEError) as error:
             outcomes[f"failed:{type(error).__name__}"] += 1
 
 

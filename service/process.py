@@ -2,21 +2,21 @@
 
 import asyncio
 import os
-import resource
+
+import psutil
 
 
 def process_stats() -> dict[str, int]:
     """This process's id, resident memory (bytes), open file descriptors and, when called from
-    an event loop, its asyncio tasks (Linux: read from /proc)."""
-    with open("/proc/self/statm") as statm:
-        resident_pages = int(statm.read().split()[1])
+    an event loop, its asyncio tasks."""
+    process = psutil.Process()
     try:
         tasks = len(asyncio.all_tasks())
     except RuntimeError:  # no running event loop
         tasks = 0
     return {
         "pid": os.getpid(),
-        "rss_bytes": resident_pages * resource.getpagesize(),
-        "open_fds": len(os.listdir("/proc/self/fd")),
+        "rss_bytes": process.memory_info().rss,
+        "open_fds": process.num_fds(),
         "asyncio_tasks": tasks,
     }

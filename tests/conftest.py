@@ -7,6 +7,40 @@ from service.config import LOCAL_RAY_ENVIRONMENT
 
 # Before anything imports Ray: the tests' own Ray listens on 127.0.0.1 only (service/config.py).
 os.environ.update(LOCAL_RAY_ENVIRONMENT)
+# One intra-op thread, as a Serve replica runs (Ray sets OMP_NUM_THREADS to its num_cpus): on a
+# busy 2-core machine, two threads that wait for each other at every operation ran the engine's
+# checkpoint tests 50 times slower (70 s instead of 1.5 s).
+torch.set_num_threads(1)
+
+# The full tier only (`make test-all`; `make test` deselects the marker `slow`), by node id prefix,
+# with why; measured with `pytest --durations=0` on a 2-core machine. `make test` keeps the unit,
+# API and engine tests and one real Serve app (tests/service/test_smoke.py).
+FULL_TIER = {
+    "tests/cluster/": "a two-node Ray cluster: autoscaling, rollouts, Prometheus (about 10 minutes)",
+    "tests/service/test_soak.py": "a 5-minute soak",
+    "tests/service/test_faults.py": "a second Serve app whose replicas fail, stall and are killed (2 minutes)",
+    "tests/service/test_overload.py": "bursts of 3x capacity",
+    "tests/service/test_schema_fuzz.py": "schema fuzzing",
+    "tests/service/test_locust_smoke.py": "Locust runs",
+    "tests/service/test_metrics.py": "Prometheus and Ray's metrics",
+    "tests/service/test_playground.py": "the browser, and attention through the real app",
+    "tests/service/test_http.py": "the real app's routes one by one (tests/api covers them in-process)",
+    "tests/service/test_real_text.py": "real paragraphs through the real app",
+    "tests/service/test_security.py": "keyed apps beside the session's",
+    "tests/service/test_weight_types.py": "an app per weight type",
+    "tests/api/test_memory.py": "12,000 requests: a soak in-process (30 s)",
+    "tests/api/test_security.py::test_the_playground_sends_the_key_it_is_given": "the browser",
+    "tests/model/test_quantize.py::test_int8_translator_keeps_greedy_bleu_within": "BLEU on test_2016 twice (25 s)",
+    "tests/model/test_quantize.py::test_int8_generator_keeps_nats_per_char_within": "the validation split twice (1 minute)",
+    "tests/model/test_export.py::test_peers_benchmark_translates_alike_in_every_system": "exports and runs every peer system (1 minute)",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the tests of FULL_TIER `slow`."""
+    for item in items:
+        if item.nodeid.startswith(tuple(FULL_TIER)):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

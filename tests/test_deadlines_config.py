@@ -2,7 +2,7 @@
 request (with its own clear status, freeing its slot) before Serve's request_timeout_s cuts it."""
 
 from service.config import ServiceConfig
-from tests.test_deploy_configs import serve_configs
+from tests.helpers import serve_configs
 
 
 def test_engine_deadlines_end_requests_before_serve_times_them_out() -> None:

@@ -9,10 +9,12 @@ import gc
 from collections.abc import AsyncGenerator
 
 import httpx
+from httpx_sse import aconnect_sse
 
 from service.api.app import create_api
 from service.api.backend import Backends
 from service.config import ServiceConfig
+from service.process import process_stats
 from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
 
 
@@ -34,20 +36,19 @@ class WordsBackend:
 
 
 def resident_mb() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096 / 1e6
+    return process_stats()["rss_bytes"] / 1e6
 
 
 async def one_request(http: httpx.AsyncClient, i: int) -> int:
     kind = i % 5
     if kind == 0:
-        async with http.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True}) as response:
-            lines = 0
-            async for _ in response.aiter_lines():
-                lines += 1
-                if i % 10 == 0 and lines > 4:
+        async with aconnect_sse(http, "POST", "/v1/completions", json={"prompt": "x", "stream": True}) as source:
+            events = 0
+            async for _ in source.aiter_sse():
+                events += 1
+                if i % 10 == 0 and events > 2:
                     break  # the client goes away midway
-            return response.status_code
+            return source.response.status_code
     if kind == 1:
         return (await http.post("/v1/completions", json={"prompt": "x"})).status_code
     if kind == 2:

@@ -279,13 +279,13 @@ def test_the_playground_sends_the_key_it_is_given() -> None:
             page = browser.new_page()
             page.goto(f"http://127.0.0.1:{port}/")
             page.click("#translate-button")
-            sync_api.expect(page.locator("#translate-status")).to_contain_text("missing API key")
+            sync_api.expect(page.locator("#translate-status")).to_contain_text("missing API key", timeout=60_000)
             assert backend.requests == []
             page.fill("#api-key", KEYS[1])
             page.click("#translate-button")
-            sync_api.expect(page.locator("#translation")).to_contain_text("Ein Hund.")
+            sync_api.expect(page.locator("#translation")).to_contain_text("Ein Hund.", timeout=60_000)
             page.click("#generate-button")
-            sync_api.expect(page.locator("#self-tokens .token").first).to_be_visible()
+            sync_api.expect(page.locator("#self-tokens .token").first).to_be_visible(timeout=60_000)
             browser.close()
         assert {type(r) for r in backend.requests} == {GenerateRequest, AttentionRequest}  # translations, completion, attention
     finally:

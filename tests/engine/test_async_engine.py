@@ -1,6 +1,8 @@
 """The async front: streams, early exit aborts, queue bound, a failing step, liveness."""
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -9,7 +11,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.errors import QueueFullError
 from service.engine.request import Delta, GenerationParams
-from tests.engine.fakes import FakeRunner
+from tests.helpers import FakeRunner
 
 
 async def collect(stream: object) -> list[Delta]:
@@ -18,6 +20,14 @@ async def collect(stream: object) -> list[Delta]:
 
 def make(n_slots: int = 4, max_waiting: int = 8, runner: FakeRunner | None = None) -> AsyncEngine:
     return AsyncEngine(Engine(runner or FakeRunner(), EngineConfig(n_slots=n_slots, max_waiting=max_waiting)))  # type: ignore[arg-type]
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Returns once `condition` holds; fails after timeout_s (a bound on a broken engine)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
 
 
 def test_concurrent_streams_complete() -> None:
@@ -46,7 +56,8 @@ def test_a_reader_that_falls_behind_gets_the_queued_deltas_merged() -> None:
         lagging = await engine.submit(prompt, params)
         while engine.engine.has_work or engine.num_waiting():  # the whole request runs before the first read
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
+        engine.stop()  # joins the loop thread: every delta it published is scheduled on this loop
+        await asyncio.sleep(0)  # and now delivered
         return eager, await collect(lagging)
 
     try:
@@ -94,10 +105,7 @@ def test_leaving_a_stream_early_aborts_and_frees_the_slot() -> None:
             if delta.completion_tokens >= 3:
                 break
         await stream.aclose()  # what a cancelled reader does on client disconnect
-        for _ in range(100):
-            if engine.engine.scheduler.slots.num_free == 1:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.engine.scheduler.slots.num_free == 1)
 
     try:
         asyncio.run(main())
@@ -112,7 +120,7 @@ def test_full_queue_refuses_at_submit() -> None:
 
     async def main() -> None:
         held = [await engine.submit([10], GenerationParams(max_tokens=1000))]
-        await asyncio.sleep(0.05)  # admitted: running
+        await until(lambda: engine.num_running() == 1)  # admitted: running
         held += [await engine.submit([10], GenerationParams(max_tokens=1000)) for _ in range(2)]  # waiting
         with pytest.raises(QueueFullError):
             await engine.submit([10], GenerationParams(max_tokens=5))

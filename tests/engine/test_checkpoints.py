@@ -14,7 +14,7 @@ from model.translate import greedy_translate
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
-from tests.engine.test_exactness import run
+from tests.helpers import run
 
 WEIGHTS: list[WeightType] = [torch.float32, "int8"]
 

@@ -1,16 +1,12 @@
 """The engine with real (small, randomly initialised) models computes what the plain paths compute:
 batched, joining and leaving at different steps, equals alone; equals recomputation."""
 
-import functools
-
 import pytest
 import torch
 
 import service.engine.runner as runner_module
 from model.beam_search import beam_search
-from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
 from model.config import TranslatorConfig
-from model.generator import Generator
 from model.kv_cache import cache_rows, read_rows
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
 from model.sampling import GREEDY, SamplingParams
@@ -20,16 +16,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner, TranslatorRunner, beam_group, decode_rows
-from tests.engine.fakes import FakeTokenizer
-
-
-@functools.cache
-def context_sensitive_generator() -> Generator:
-    """The shipped generator: a random tiny model repeats its last token whatever came before, so
-    cache or position bugs would not change its outputs."""
-    model, _ = load_checkpoint(DEFAULT_GENERATOR)
-    assert isinstance(model, Generator)
-    return model
+from tests.helpers import PROMPTS, FakeTokenizer, context_sensitive_generator, run
 
 
 def generator_engine(n_slots: int = 8) -> Engine:
@@ -41,22 +28,6 @@ def translator_engine(n_slots: int = 16) -> Engine:
     torch.manual_seed(2)
     model = Translator(TranslatorConfig.preset("tiny")).eval()
     return Engine(TranslatorRunner(model, FakeTokenizer(), n_slots), EngineConfig(n_slots=n_slots))  # type: ignore[arg-type]
-
-
-def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500) -> dict[str, list[int]]:
-    """Adds requests at the given step numbers and runs until idle; returns token ids per request."""
-    tokens: dict[str, list[int]] = {}
-    for step in range(max_steps):
-        for r in arrivals.get(step, []):
-            engine.add_request(r)
-        if not engine.has_work and step > max(arrivals):
-            break
-        for d in engine.step().deltas:
-            tokens.setdefault(d.request_id, []).extend(d.token_ids)
-    return tokens
-
-
-PROMPTS = [[5, 9, 13, 7], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8], [21, 33], [60, 4, 17]]
 
 
 def test_generator_batched_with_joins_and_leaves_equals_alone_and_recomputation() -> None:

@@ -13,8 +13,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner
-from tests.engine.fakes import FakeTokenizer
-from tests.engine.test_exactness import PROMPTS, context_sensitive_generator, run
+from tests.helpers import PROMPTS, FakeTokenizer, context_sensitive_generator, run
 
 
 def tokens_with(fixed_shape: bool, device: str = "cpu", model: Generator | None = None) -> dict[str, list[int]]:

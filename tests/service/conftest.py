@@ -1,47 +1,17 @@
 """One real Serve application for the whole test session (Ray starts once)."""
 
 import os
-import socket
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
-from service.config import RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
-from service.engine.config import EngineConfig
-
-APP_NAME = "transformers"
-TEST_CONFIG = ServiceConfig(
-    translator=ModelServingConfig(
-        name="transformer-en-de",
-        checkpoint=DEFAULT_TRANSLATOR,
-        engine=EngineConfig(n_slots=16, max_waiting=16),
-        num_cpus=0.5,
-        torch_threads=1,
-    ),
-    generator=ModelServingConfig(
-        name="transformer-shakespeare",
-        checkpoint=DEFAULT_GENERATOR,
-        # Requests not yet taken in by the engine count as waiting: 32 streams at once may all
-        # reach one replica before its next step. (The 429 tests flood the translator.)
-        engine=EngineConfig(n_slots=16, max_waiting=32, default_max_tokens=16),
-        num_replicas=2,
-        num_cpus=0.5,
-        torch_threads=1,
-    ),
-)
-
+from loadtests.cluster import free_port
+from service.config import RAY_ENVIRONMENT
+from tests.helpers import APP_NAME, TEST_CONFIG
 
 SESSION: dict[str, str] = {}  # what the running session exposes besides its URL
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -72,15 +42,3 @@ def service_url() -> Iterator[str]:
 def metrics_url(service_url: str) -> str:
     """Ray's Prometheus endpoint of this node (custom metrics are exported as ray_<name>)."""
     return SESSION["metrics_url"]
-
-
-def replica_stats(deployment: str, calls: int = 30) -> dict[str, dict[str, Any]]:
-    """Engine stats by replica id (calls spread over the replicas by Serve's router)."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle(deployment, app_name=APP_NAME)
-    stats: dict[str, dict[str, Any]] = {}
-    for _ in range(calls):
-        s = handle.stats.remote().result()
-        stats[s["replica"]] = s
-    return stats

@@ -10,12 +10,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from httpx_sse import connect_sse
 
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from model.data import SHARED_DATA, read_lines
 from model.tokenizer import Tokenizer
 from model.translate import translate_sentences
-from tests.service.conftest import TEST_CONFIG, replica_stats
+from tests.helpers import TEST_CONFIG, astream_data, leave_stream, replica_stats, stream_data
 
 GENERATOR = TEST_CONFIG.generator.name
 TEST_SOURCES = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")
@@ -71,15 +72,13 @@ def test_seeded_sampling_is_reproducible(service_url: str) -> None:
 
 def test_sse_wire_format(service_url: str) -> None:
     body = {"model": GENERATOR, "prompt": "To be", "max_tokens": 5, "stream": True}
-    with httpx.stream("POST", f"{service_url}/v1/completions", json=body, timeout=60) as response:
-        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        raw = response.read().decode()
-    frames = raw.split("\n\n")
-    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
-    for frame in frames[:-2]:
-        assert frame.startswith("data: ")
-        chunk = json.loads(frame[len("data: ") :])
-        assert {"id", "object", "created", "model", "choices"} <= chunk.keys()
+    with httpx.Client(timeout=60) as http, connect_sse(http, "POST", f"{service_url}/v1/completions", json=body) as source:
+        assert source.response.status_code == 200 and source.response.headers["content-type"].startswith("text/event-stream")
+        events = list(source.iter_sse())
+    assert events[-1].data == "[DONE]"
+    for event in events[:-1]:
+        assert event.event == "message"  # data-only events
+        assert {"id", "object", "created", "model", "choices"} <= event.json().keys()
 
 
 def test_translate_matches_the_evaluation_cli(service_url: str, tmp_path: Path) -> None:
@@ -136,25 +135,18 @@ def test_translation_streams_greedy_text(service_url: str) -> None:
     expected = httpx.post(f"{service_url}/v1/translate", json={"text": sentence, "beam_size": 1}, timeout=60).json()["translations"][0][
         "text"
     ]
-    with httpx.stream("POST", f"{service_url}/v1/translate", json={"text": sentence, "stream": True}, timeout=60) as response:
-        frames = [f for f in response.read().decode().split("\n\n") if f]
-    assert frames[-1] == "data: [DONE]"
-    events = [json.loads(f[len("data: ") :]) for f in frames[:-1]]
+    frames = stream_data(f"{service_url}/v1/translate", {"text": sentence, "stream": True})
+    assert frames[-1] == "[DONE]"
+    events = [json.loads(f) for f in frames[:-1]]
     assert "".join(e["text"] for e in events) == expected and events[-1]["finish_reason"] == "stop"
 
 
 async def _stream_completion(http: httpx.AsyncClient, i: int) -> tuple[str, str | None, bool]:
     body = {"model": GENERATOR, "prompt": f"Scene {i}:\n", "max_tokens": 40, "stream": True, "temperature": 0}
-    text, reason = "", None
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        raw = (await response.aread()).decode()
-    frames = [f for f in raw.split("\n\n") if f]
-    for f in frames[:-1]:
-        chunk = json.loads(f[len("data: ") :])
-        text += chunk["choices"][0]["text"]
-        reason = chunk["choices"][0]["finish_reason"] or reason
-    return text, reason, frames[-1] == "data: [DONE]"
+    frames = await astream_data(http, "/v1/completions", body)
+    chunks = [json.loads(f)["choices"][0] for f in frames[:-1]]
+    reason = next((c["finish_reason"] for c in reversed(chunks) if c["finish_reason"]), None)
+    return "".join(c["text"] for c in chunks), reason, frames[-1] == "[DONE]"
 
 
 def test_32_concurrent_streams_batch_together_on_two_replicas(service_url: str) -> None:
@@ -176,12 +168,9 @@ def test_32_concurrent_streams_batch_together_on_two_replicas(service_url: str) 
 def test_disconnecting_a_stream_frees_its_slot(service_url: str) -> None:
     before = sum(s["finished"].get("abort", 0) for s in replica_stats("Generator").values())
     body = {"model": GENERATOR, "prompt": "HAMLET:", "max_tokens": 200, "stream": True}
-    with httpx.stream("POST", f"{service_url}/v1/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        for _ in range(3):
-            next(lines)
-    # The connection is closed here; the engine must drop the sequence within a step or so.
-    deadline = time.monotonic() + 30
+    leave_stream(f"{service_url}/v1/completions", body, after_events=2)
+    # The connection is closed; the engine drops the sequence within a step or so.
+    deadline = time.monotonic() + 120  # a bound on a broken engine, not a speed limit
     while True:
         stats = replica_stats("Generator")
         aborted = sum(s["finished"].get("abort", 0) for s in stats.values())

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tests.service.conftest import TEST_CONFIG
+from tests.helpers import TEST_CONFIG
 
 # Long enough that the first requests admitted still hold the replicas when the burst's last ones
 # arrive (with 8 tokens, some bursts of 3x capacity drained as fast as they came, with no refusal).

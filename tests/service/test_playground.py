@@ -12,7 +12,7 @@ import torch
 from model.attention_maps import cross_attention, self_attention
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from model.tokenizer import EOS_ID
-from tests.service.conftest import TEST_CONFIG
+from tests.helpers import TEST_CONFIG
 
 SENTENCES = "A man in a red shirt is riding a bike. Two dogs are running behind him."
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs"
@@ -91,7 +91,7 @@ def test_the_playground_translates_streams_and_shows_attention(service_url: str,
     page.on("console", lambda message: console_errors.append(message.text) if message.type == "error" else None)
     page.on("pageerror", lambda error: console_errors.append(str(error)))
     page.goto(service_url + "/")
-    expect(page.locator("h1")).to_have_text("Transformer playground")
+    expect(page.locator("h1")).to_have_text("Transformer playground", timeout=60_000)
 
     page.click("#translate-button")
     expect(page.locator("#heatmap table")).to_be_visible(timeout=60_000)
@@ -102,7 +102,7 @@ def test_the_playground_translates_streams_and_shows_attention(service_url: str,
     assert page.locator("#source-tokens .token[style*='background']").count() > 0
     page.select_option("#cross-layer", "0")
     page.select_option("#cross-head", "1")
-    expect(page.locator("#heatmap table")).to_be_visible()
+    expect(page.locator("#heatmap table")).to_be_visible(timeout=60_000)
     page.locator("#translate-panel").screenshot(path=str(SCREENSHOTS / "playground_translate.png"))
 
     updates: list[str] = []
@@ -117,6 +117,6 @@ def test_the_playground_translates_streams_and_shows_attention(service_url: str,
     assert len({u for u in updates if u}) > 1, "the generation should arrive in several updates"
     assert page.inner_text("#ttft") != "-" and page.inner_text("#tokens-per-s") != "-"
     page.locator("#self-tokens .token").nth(3).click()
-    expect(page.locator("#self-tokens .token.selected")).to_have_count(1)
+    expect(page.locator("#self-tokens .token.selected")).to_have_count(1, timeout=60_000)
     page.locator("#generate-panel").screenshot(path=str(SCREENSHOTS / "playground_generate.png"))
     assert console_errors == []

@@ -12,7 +12,7 @@ from libretranslatepy import LibreTranslateAPI
 
 from model.data import SHARED_DATA, read_lines
 from service.api.sentences import split_sentences
-from tests.service.conftest import TEST_CONFIG
+from tests.helpers import TEST_CONFIG, stream_data
 
 TEST_SOURCES = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")
 TEST_REFERENCES = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.de.gz")
@@ -171,12 +171,7 @@ def test_a_sentence_cut_by_max_tokens_says_so(service_url: str) -> None:
 def test_multi_sentence_stream_arrives_in_order(service_url: str, one_by_one: dict[int, str]) -> None:
     chosen, text = PARAGRAPHS[2]
     greedy = httpx.post(f"{service_url}/v1/translate", json={"text": text, "beam_size": 1}, timeout=120).json()["translations"][0]
-    frames = []
-    with httpx.stream("POST", f"{service_url}/v1/translate", json={"text": text, "stream": True}, timeout=120) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                frames.append(line[len("data: ") :])
+    frames = stream_data(f"{service_url}/v1/translate", {"text": text, "stream": True}, timeout_s=120)
     assert frames[-1] == "[DONE]"
     parsed = [json.loads(f) for f in frames[:-1]]
     assert "".join(f["text"] for f in parsed) == greedy["text"]

@@ -29,14 +29,14 @@ KEYED_ARGS: dict[str, Any] = {
         "name": "keyed-en-de",
         "checkpoint": str(DEFAULT_TRANSLATOR),
         "engine": {"n_slots": 4, "max_waiting": 8},
-        "num_cpus": 0.05,
+        "deployment": {"ray_actor_options": {"num_cpus": 0.05}},
         "torch_threads": 1,
     },
     "generator": {
         "name": "keyed-shakespeare",
         "checkpoint": str(DEFAULT_GENERATOR),
         "engine": {"n_slots": 4, "max_waiting": 8, "default_max_tokens": 4},
-        "num_cpus": 0.05,
+        "deployment": {"ray_actor_options": {"num_cpus": 0.05}},
         "torch_threads": 1,
     },
     "api_keys_env": KEYS_ENV,
@@ -134,7 +134,7 @@ def test_refusals_are_counted_as_unauthorized(keyed_url: str, metrics_url: str) 
         samples = [s for f in families for s in f.samples if s.name == "ray_serving_request_failure_total"]
         return sum(s.value for s in samples if s.labels.get("reason") == "unauthorized" and s.labels.get("model", "").startswith("keyed-"))
 
-    deadline = time.monotonic() + 60  # Ray's endpoint shows a replica's counts at its next report
+    deadline = time.monotonic() + 180  # Ray's endpoint shows a replica's counts at its next report
     while refused() < 1:
         assert time.monotonic() < deadline, "no unauthorized refusal counted"
         time.sleep(1)
@@ -165,7 +165,7 @@ def test_logs_carry_request_ids_sizes_and_times_never_text_or_keys(service_url: 
         f"request_bytes={r.request.headers['content-length']} response_bytes={len(r.content)} ms="
         for r in sent
     ]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while True:
         logs = b"".join(p.read_bytes() for p in log_files())
         missing = [line for line in expected if line.encode() not in logs]

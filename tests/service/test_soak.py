@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.soak import report, soak
-from tests.service.conftest import APP_NAME
+from tests.helpers import APP_NAME
 
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "300"))  # at least 5 minutes unless told otherwise
 WARMUP_S = SOAK_SECONDS / 2  # Python's allocator keeps growing, ever slower, for a few minutes

@@ -1,0 +1,472 @@
+"""The figure tables of README.md and docs/*.md, generated from the results JSON.
+
+    python -m benchmarks.report [--check]
+
+A page holds regions
+
+    <!-- report:NAME -->
+    ...
+    <!-- /report:NAME -->
+
+whose contents are REPORTS[NAME] rendered from benchmarks/results/*.json, loadtests/sweep/sweep.json
+and loadtests/scaling/timeline.json, so a figure on a page is always its run's. Without --check
+every region is rewritten in place; with --check nothing is written, and the exit status is 1 when
+a region differs from what the JSON gives (each such page and region is printed). A region that
+names no report is an error either way.
+"""
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtests.sweep import markdown as sweep_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SWEEP = ROOT / "loadtests" / "sweep" / "sweep.json"
+TIMELINE = ROOT / "loadtests" / "scaling" / "timeline.json"
+
+REGION = re.compile(r"(<!-- report:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.DOTALL)
+
+# The peers benchmark's works, as its JSON names them, and how a page names them.
+WORKS = {
+    "translate_greedy": "translation greedy, sentences/s (BLEU)",
+    "translate_beam4": "translation beam 4, sentences/s (BLEU)",
+    "generate_batch_1": "generation batch 1, tokens/s",
+    "generate_batch_16": "generation batch 16, tokens/s",
+}
+# The targets set for the peers comparison: (ratio key suffix, the works it applies to, at least).
+PEER_TARGETS = [
+    ("_vs_transformers", list(WORKS), 2.0),
+    ("_vs_ct2_float32", ["translate_greedy", "generate_batch_16"], 0.8),
+    ("_vs_ct2_float32", ["translate_beam4", "generate_batch_1"], 0.5),
+    ("_int8_vs_ct2_int8", ["translate_greedy"], 0.8),
+]
+RECORDED = (
+    "Recorded figures of past runs, from `{file}`, which no run writes: the figures as first reported, with the commit that reported them."
+)
+
+
+def load(path: Path) -> Any:
+    """The parsed JSON file at path."""
+    return json.loads(path.read_text())
+
+
+def result(name: str) -> Any:
+    """benchmarks/results/<name>.json, parsed."""
+    return load(RESULTS / f"{name}.json")
+
+
+def num(x: float, digits: int = 0) -> str:
+    """x with thousands separators and `digits` decimals."""
+    return f"{x:,.{digits}f}"
+
+
+def two(x: float) -> str:
+    """x with two decimals."""
+    return num(x, 2)
+
+
+def bleu(x: float | None) -> str:
+    """A BLEU score with two decimals, '-' when it was not measured."""
+    return "-" if x is None else num(x, 2)
+
+
+def signed(x: float) -> str:
+    """x with its sign and the decimals it was recorded with (at least one)."""
+    text = f"{x:+g}"
+    return text if "." in text else text + ".0"
+
+
+def span(values: Sequence[float], fmt: Callable[[float], str]) -> str:
+    """'lo-hi' of values (one value alone when they are equal)."""
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def peer_ratios(peers: dict[str, Any], suffix: str) -> list[float]:
+    """Every work's ratio <work><suffix> (e.g. '_vs_transformers') from peers.json."""
+    return [peers[f"{work}{suffix}"] for work in WORKS]
+
+
+def headline() -> str:
+    """README: one row per subject, linking its docs page."""
+    engine, peers, serving, front = result("engine"), result("peers"), result("serving"), result("front_door")
+    overload, soak = result("overload_runs")["runs"], result("soak_runs")["runs"][-1]
+    knee, scaling = load(SWEEP)["knee"], load(TIMELINE)["summary"]
+    rows = [
+        [
+            "engine in-process, 1 thread: KV cache / batching 16 vs 1 / continuous vs static (throughput, p99)",
+            f"{two(engine['kv_cache_speedup'])}x / {two(engine['batching_speedup_16'])}x / "
+            f"{two(engine['continuous_vs_static_throughput'])}x, {two(engine['continuous_vs_static_p99'])}x",
+            "[performance](docs/performance.md)",
+        ],
+        [
+            "ours against transformers / CTranslate2 float32 (4 works, 1 thread)",
+            f"{span(peer_ratios(peers, '_vs_transformers'), two)}x / {span(peer_ratios(peers, '_vs_ct2_float32'), two)}",
+            "[performance](docs/performance.md)",
+        ],
+        [
+            "ours int8 against CTranslate2 int8",
+            span(peer_ratios(peers, "_int8_vs_ct2_int8"), two),
+            "[performance](docs/performance.md)",
+        ],
+        [
+            "HTTP streams against the engine in-process, 1 / 16 / 32 clients",
+            " / ".join(two(serving[f"http_vs_inprocess_{n}_stream"]) for n in (1, 16, 32)),
+            "[serving tax](docs/serving-tax.md)",
+        ],
+        [
+            "a refused completion's p50 against `/healthz`'s (`ab`, 50 / 400 connections)",
+            f"{two(front['refused_vs_healthz_p50_c50'])} / {two(front['refused_vs_healthz_p50_c400'])}",
+            "[reliability](docs/reliability.md)",
+        ],
+        [
+            f"burst of 3x capacity, {len(overload)} runs: accepted p99 against capacity; refused p50 against `/healthz`",
+            f"{span([r['accepted_p99_ratio'] for r in overload], two)}x; {span([r['refused_vs_healthz_p50'] for r in overload], two)}x",
+            "[reliability](docs/reliability.md)",
+        ],
+        [
+            "5-minute soak, last run: ok / cancelled / failed; ingress memory",
+            f"{num(soak['ok'])} / {num(soak['cancelled'])} / {soak['failures']}; {signed(soak['ingress_mb_per_min'])} MB/min",
+            "[reliability](docs/reliability.md)",
+        ],
+        [
+            "load sweep, one replica each: p99 TTFT past 3x its low-load value; mean batch below that",
+            f"{knee['knee_users']} users ({num(knee['knee_ttft_p99_ms'])} ms); "
+            f"{two(knee['below_knee_batch'])} at {knee['below_knee_users']} users",
+            "[scaling](docs/scaling.md)",
+        ],
+        [
+            "two-node autoscaling: second generator replica running; back to one",
+            f"{scaling['generator_2_replicas_running_s']} s; {scaling['generator_back_to_1_s']} s "
+            f"({num(scaling['requests'])} requests, {scaling['failures']} failed)",
+            "[scaling](docs/scaling.md)",
+        ],
+    ]
+    return table(["measure (2-core CPU)", "result", "details"], rows)
+
+
+def speed() -> str:
+    """README's Limitations: the speed figures, from the last peers and serving runs."""
+    peers, serving = result("peers"), result("serving")
+    return (
+        f"- Speed (last runs, 1 thread): {span(peer_ratios(peers, '_vs_transformers'), two)}x transformers and "
+        f"{span(peer_ratios(peers, '_vs_ct2_float32'), two)} of CTranslate2 in float32; int8 weights (`dtype: int8`) reach "
+        f"{span(peer_ratios(peers, '_int8_vs_ct2_int8'), two)} of CTranslate2 int8 ([performance](docs/performance.md)). "
+        f"Through HTTP, streams on 2 cores deliver {two(serving['http_vs_inprocess_16_stream'])} (16 clients) and "
+        f"{two(serving['http_vs_inprocess_32_stream'])} (32) of the engine's in-process throughput "
+        "([serving tax](docs/serving-tax.md))."
+    )
+
+
+def engine() -> str:
+    """docs/performance.md: the in-process engine's ratios, 1 and 2 threads."""
+    one, two_threads = result("engine"), result("engine_threads_2")
+    rows = [
+        (
+            "kv_cache_speedup",
+            f"generator, batch 1, {one['kv_cache_new_tokens']} new tokens: with KV cache {num(one['cached_tokens_per_s'])} tok/s, "
+            f"recomputing the prefix {num(one['recompute_tokens_per_s'])} tok/s",
+            ">= 5",
+            2,
+        ),
+        (
+            "batching_speedup_16",
+            f"aggregate tok/s, 16 concurrent vs 1: {num(one['tokens_per_s_16'])} vs {num(one['tokens_per_s_1'])}",
+            ">= 4",
+            2,
+        ),
+        (
+            "continuous_vs_static_throughput",
+            f"{one['continuous_requests']} requests, Poisson arrivals at 1.5x the batch-16 rate, outputs of 8-200 tokens",
+            ">= 1.3",
+            2,
+        ),
+        (
+            "continuous_vs_static_p99",
+            f"p99 latency static {num(one['static_p99_latency_s'], 2)} s / continuous {num(one['continuous_p99_latency_s'], 2)} s; "
+            f"mean batch {num(one['continuous_mean_batch_size'], 1)} vs {num(one['static_mean_batch_size'], 1)}",
+            ">= 1.5",
+            2,
+        ),
+        ("translator_sentences_per_s", "test_2016_flickr, 1,000 sentences, greedy, 64 slots", "", 0),
+        (
+            "translator_batching_speedup",
+            f"first 100 sentences: batched vs one at a time ({num(one['translator_sequential_sentences_per_s'], 1)} sent/s)",
+            ">= 4",
+            2,
+        ),
+        ("peak_rss_mb", "peak resident memory, MB", "", 0),
+    ]
+    return table(
+        ["measure", "what", "1 thread", "2 threads", "target"],
+        [[f"`{key}`", what, f"**{num(one[key], digits)}**", num(two_threads[key], digits), target] for key, what, target, digits in rows],
+    )
+
+
+def engine_concurrency() -> str:
+    """docs/performance.md: throughput and p99 latency against concurrency."""
+    curve = result("engine")["concurrency_curve"]
+    return table(
+        ["concurrent requests (64 tokens each)", *(str(p["concurrency"]) for p in curve)],
+        [
+            ["generated tokens/s", *(num(p["tokens_per_s"]) for p in curve)],
+            ["p99 request latency (s)", *(num(p["p99_latency_s"], 2) for p in curve)],
+        ],
+    )
+
+
+def peers() -> str:
+    """docs/performance.md: ours, ours int8, transformers and CTranslate2 on the four works."""
+    data = result("peers")
+    rows = []
+    for work, label in WORKS.items():
+        unit = "sentences_per_s" if work.startswith("translate") else "tokens_per_s"
+        cells = []
+        for system in ("ours", "ours_int8", "transformers", "ct2_float32", "ct2_int8"):
+            cell = num(data[f"{work}_{unit}_{system}"])
+            bleu = data.get(f"{work}_bleu_{system}")
+            cells.append(cell if bleu is None else f"{cell} ({num(bleu, 2)})")
+        ratios = [data[f"{work}_vs_transformers"], data[f"{work}_vs_ct2_float32"], data[f"{work}_int8_vs_ct2_int8"]]
+        rows.append([label, *cells, *(num(r, 2) for r in ratios)])
+    header = ["work (1 thread)", "ours", "ours int8", "transformers", "CT2 float32", "CT2 int8"]
+    header += ["ours / transformers", "ours / CT2 float32", "ours int8 / CT2 int8"]
+    return table(header, rows)
+
+
+def peers_targets() -> str:
+    """docs/performance.md: each target of the peers comparison against the last run."""
+    data = result("peers")
+    rows = []
+    for suffix, works, least in PEER_TARGETS:
+        for work in works:
+            ratio = data[f"{work}{suffix}"]
+            rows.append([f"`{work}{suffix}`", f">= {least:g}", two(ratio), "met" if ratio >= least else "**not met**"])
+    return table(["ratio", "target", "last run", ""], rows)
+
+
+def peers_history() -> str:
+    """docs/performance.md: the recorded earlier peers runs, before each change."""
+    runs = result("peers_history")["runs"]
+    rows = [
+        [
+            r["before"],
+            f"`{r['recorded_in']}`",
+            " / ".join(two(x) for x in r["vs_transformers"]),
+            " / ".join(two(x) for x in r["vs_ct2_float32"]),
+            "-" if r["ours"] is None else " / ".join(num(x) for x in r["ours"]),
+        ]
+        for r in runs
+    ]
+    header = ["before", "commit", "ours / transformers", "ours / CT2 float32", "ours (sentences/s, tokens/s)"]
+    return RECORDED.format(file="benchmarks/results/peers_history.json") + "\n\n" + table(header, rows)
+
+
+def serving() -> str:
+    """docs/serving-tax.md: HTTP against the engine in-process at 1, 16 and 32 clients."""
+    data = result("serving")
+    rows = []
+    for n in (1, 16, 32):
+        streamed = f"{num(data[f'http_{n}_stream_tok_s'])} (**{num(data[f'http_vs_inprocess_{n}_stream'], 2)}**)"
+        plain = f"{num(data[f'http_{n}_nostream_tok_s'])} ({num(data[f'http_vs_inprocess_{n}_nostream'], 2)})"
+        ttft = f"{num(data[f'inprocess_{n}_ttft_p50_ms'])} / {num(data[f'http_{n}_stream_ttft_p50_ms'])} ms"
+        rows.append([str(n), num(data[f"inprocess_{n}_tok_s"]), streamed, plain, ttft])
+    header = ["clients", "in-process tok/s", "streamed tok/s (ratio)", "not streamed tok/s (ratio)", "TTFT p50 in-process / streamed"]
+    return table(header, rows)
+
+
+def front_door() -> str:
+    """docs/reliability.md: `ab` against /healthz and a refused completion."""
+    data = result("front_door")
+    rows = []
+    for c in (50, 400):
+        healthz, refused = data[f"healthz_c{c}"], data[f"refused_completion_c{c}"]
+        rows.append(
+            [
+                f"{c} connections",
+                num(healthz["requests_per_s"]),
+                f"{num(healthz['p50_ms'])} ms",
+                num(refused["requests_per_s"]),
+                f"{num(refused['p50_ms'])} ms",
+                f"**{num(data[f'refused_vs_healthz_p50_c{c}'], 2)}**",
+            ]
+        )
+    return table(["", "`/healthz` req/s", "p50", "refused completion req/s", "p50", "refused / healthz p50"], rows)
+
+
+def overload() -> str:
+    """docs/reliability.md: the recorded bursts of 3x capacity beside a /healthz burst."""
+    data = result("overload_runs")
+    rows = [
+        [
+            str(r["run"]),
+            f"`{r['recorded_in']}`",
+            str(r["accepted"]),
+            f"{num(r['accepted_p99_s'], 2)} s ({num(r['accepted_p99_at_capacity_s'], 2)} s): **{num(r['accepted_p99_ratio'], 2)}x**",
+            str(r["refused"]),
+            f"{num(r['refused_p50_s'], 2)} s",
+            f"{num(r['healthz_p50_s'], 2)} s: **{num(r['refused_vs_healthz_p50'], 2)}x**",
+        ]
+        for r in data["runs"]
+    ]
+    header = ["run", "commit", "accepted", "accepted p99 (at capacity)", "refused", "refused p50", "`/healthz` p50"]
+    return RECORDED.format(file="benchmarks/results/overload_runs.json") + "\n\n" + table(header, rows)
+
+
+def soak() -> str:
+    """docs/reliability.md: the recorded soak runs."""
+    data = result("soak_runs")
+    rows = []
+    for r in data["runs"]:
+        tasks = r["asyncio_tasks_per_min"]
+        rows.append(
+            [
+                str(r["run"]),
+                f"`{r['recorded_in']}`",
+                r["code"],
+                num(r["ok"]),
+                num(r["cancelled"]),
+                str(r["failures"]),
+                signed(r["ingress_mb_per_min"]),
+                " to ".join(signed(x) for x in r["model_replicas_mb_per_min"]),
+                "-" if tasks is None else " to ".join(signed(x) for x in tasks),
+                r["note"],
+            ]
+        )
+    header = ["run", "commit", "code", "ok", "cancelled", "failed", "ingress MB/min", "model replicas MB/min", "asyncio tasks /min", "note"]
+    return RECORDED.format(file="benchmarks/results/soak_runs.json") + "\n\n" + table(header, rows)
+
+
+def sweep() -> str:
+    """docs/scaling.md: the load sweep, as loadtests.sweep writes it."""
+    return sweep_markdown(load(SWEEP)).rstrip("\n")
+
+
+def sweep_designs() -> str:
+    """docs/scaling.md: the recorded sweeps of two earlier designs."""
+    data = result("sweep_designs")
+    rows = [
+        [d["design"], f"{num(d['low_load_ttft_p99_ms'])} ms", f"{d['knee_users']} users", num(d["below_knee_batch"], 1)]
+        for d in data["designs"]
+    ]
+    return (
+        RECORDED.format(file="benchmarks/results/sweep_designs.json")
+        + "\n\n"
+        + table(["design", "low-load p99 TTFT", "knee", "mean batch below the knee"], rows)
+    )
+
+
+def scaling() -> str:
+    """docs/scaling.md: the autoscaling run's timeline."""
+    data = load(TIMELINE)
+    summary, samples = data["summary"], data["timeline"]["samples"]
+    seen = next(s["t"] for s in samples if sum(r["deployment"] == "Generator" for r in s["replicas"]) >= 2)
+    kinds = summary["by_kind"]
+    rows = [
+        [f"{summary['load_start_s']}", "load starts"],
+        [f"{seen:.1f}", "Serve starts a second generator replica (`max_replicas` is 2)"],
+        [f"{summary['generator_2_replicas_running_s']}", "it runs, on the other node"],
+        [f"{summary['load_end_s']}", "load ends"],
+        [f"{summary['generator_back_to_1_s']}", "one generator replica again"],
+    ]
+    statuses = ", ".join(f"{n} x {status}" for status, n in summary["statuses"].items())
+    return (
+        table(["seconds", ""], rows)
+        + f"\n\n{num(summary['requests'])} requests ({kinds['stream']} streams, {kinds['completion']} completions, "
+        f"{kinds['translate']} translations): {statuses}; {summary['failures']} failed."
+    )
+
+
+def scores() -> str:
+    """docs/training.md: the checkpoints' scores, measured side by side."""
+    data = result("scores")
+    translator = table(
+        ["translator, sacreBLEU", "val beam 4", "val greedy", "test_2016 beam 4", "test_2016 greedy"],
+        [
+            [r["checkpoint"], bleu(r["val_beam4"]), bleu(r["val_greedy"]), bleu(r["test_2016_beam4"]), bleu(r["test_2016_greedy"])]
+            for r in data["translator_bleu"]
+        ],
+    )
+    generator = table(
+        ["generator", "nats/char on the validation split"],
+        [[r["checkpoint"], f"{r['nats_per_char']:.6f}"] for r in data["generator_nats_per_char"]],
+    )
+    return RECORDED.format(file="benchmarks/results/scores.json") + "\n\n" + translator + "\n\n" + generator
+
+
+REPORTS: dict[str, Callable[[], str]] = {
+    "headline": headline,
+    "speed": speed,
+    "engine": engine,
+    "engine-concurrency": engine_concurrency,
+    "peers": peers,
+    "peers-targets": peers_targets,
+    "peers-history": peers_history,
+    "serving": serving,
+    "front-door": front_door,
+    "overload": overload,
+    "soak": soak,
+    "sweep": sweep,
+    "sweep-designs": sweep_designs,
+    "scaling": scaling,
+    "scores": scores,
+}
+
+
+def pages() -> list[Path]:
+    """The pages that may hold regions: README.md and docs/*.md."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def render(text: str) -> str:
+    """text with every region's body replaced by its report; ValueError for an unknown report."""
+
+    def body(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in REPORTS:
+            raise ValueError(f"no report named {name!r}")
+        return f"{match[1]}{REPORTS[name]()}\n{match[4]}"
+
+    return REGION.sub(body, text)
+
+
+def stale(text: str) -> list[str]:
+    """The names of text's regions whose body is not what their report gives now."""
+    rendered = {m["name"]: m["body"] for m in REGION.finditer(render(text))}
+    return [m["name"] for m in REGION.finditer(text) if m["body"] != rendered[m["name"]]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite every page's regions, or with --check report stale ones: 0 when none, else 1."""
+    parser = argparse.ArgumentParser(description="Rewrite the docs' figure tables from the results JSON.")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a region differs from its JSON")
+    args = parser.parse_args(argv)
+    status = 0
+    for page in pages():
+        text = page.read_text()
+        if args.check:
+            for name in stale(text):
+                print(f"{page.relative_to(ROOT)}: region {name!r} differs from its JSON (python -m benchmarks.report)")
+                status = 1
+        else:
+            updated = render(text)
+            if updated != text:
+                page.write_text(updated)
+                print(f"rewrote {page.relative_to(ROOT)}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

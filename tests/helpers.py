@@ -1,0 +1,208 @@
+"""What several test modules share: fakes and helpers for the engine, the Serve test session's
+config and probes, the deploy configs, and one way to read the service's event streams
+(httpx-sse). Fixtures live in the conftest.py files; test modules import only this."""
+
+import functools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from httpx_sse import aconnect_sse, connect_sse
+from prometheus_client.parser import text_string_to_metric_families
+
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from model.generator import Generator
+from model.tokenizer import EOS_ID
+from service.config import ModelServingConfig, ServiceConfig
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
+from service.engine.request import Request
+from service.engine.runner import RunnerOutput
+from service.engine.scheduler import SchedulerOutput
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+
+# --- The engine without a model: a scripted runner and tokenizer ---
+
+
+class FakeTokenizer:
+    """Token i (>= 4) is the text "w<i> "."""
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        return f"w{token_id} ".encode() if token_id > EOS_ID else b""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.piece_bytes(i).decode() for i in ids)
+
+
+@dataclass
+class FakeRunner:
+    """Each request emits prompt_ids[0] + 1, + 2, ... and then EOS after `length` tokens,
+    where length is prompt_ids[1] (or forever if the prompt has one token)."""
+
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    max_prompt_len: int = 100
+    strip_leading_space: bool = False
+    fail_on: set[str] = field(default_factory=set)  # request ids whose step raises
+    executed: list[SchedulerOutput] = field(default_factory=list)
+    step_seconds: float = 0.0  # simulated model time per step
+
+    def max_new_tokens(self, prompt_length: int) -> int:
+        return 1000
+
+    def default_max_tokens(self, prompt_length: int) -> int:
+        return 64
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        time.sleep(self.step_seconds)
+        self.executed.append(SchedulerOutput(list(plan.prefill), list(plan.decode), list(plan.aborted)))
+        if any(r.request_id in self.fail_on for r in plan.prefill + plan.decode):
+            raise RuntimeError("injected fault")
+        output = RunnerOutput()
+        for r in plan.prefill + plan.decode:
+            n = len(r.output_ids)
+            length = r.prompt_ids[1] if len(r.prompt_ids) > 1 else 10**9
+            output.tokens[r.request_id] = EOS_ID if n >= length else r.prompt_ids[0] + n + 1
+        return output
+
+
+# --- The engine with the shipped generator ---
+
+
+@functools.cache
+def context_sensitive_generator() -> Generator:
+    """The shipped generator: a random tiny model repeats its last token whatever came before, so
+    cache or position bugs would not change its outputs."""
+    model, _ = load_checkpoint(DEFAULT_GENERATOR)
+    assert isinstance(model, Generator)
+    return model
+
+
+def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500) -> dict[str, list[int]]:
+    """Adds requests at the given step numbers and runs until idle; returns token ids per request."""
+    tokens: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        for r in arrivals.get(step, []):
+            engine.add_request(r)
+        if not engine.has_work and step > max(arrivals):
+            break
+        for d in engine.step().deltas:
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    return tokens
+
+
+PROMPTS = [[5, 9, 13, 7], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8], [21, 33], [60, 4, 17]]
+
+
+# --- The configs in deploy/ ---
+
+
+def load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def rayservice() -> dict[str, Any]:
+    manifest: dict[str, Any] = load(DEPLOY / "kuberay" / "rayservice.yaml")
+    return manifest
+
+
+def serve_configs() -> dict[str, dict[str, Any]]:
+    return {
+        "serve_config.yaml": load(DEPLOY / "serve_config.yaml"),
+        "serve_config.gpu.yaml": load(DEPLOY / "serve_config.gpu.yaml"),
+        "rayservice.yaml": yaml.safe_load(rayservice()["spec"]["serveConfigV2"]),
+    }
+
+
+# --- The Serve application of the test session (tests/service/conftest.py) ---
+
+APP_NAME = "transformers"
+TEST_CONFIG = ServiceConfig(
+    translator=ModelServingConfig(
+        name="transformer-en-de",
+        checkpoint=DEFAULT_TRANSLATOR,
+        engine=EngineConfig(n_slots=16, max_waiting=16),
+        deployment={"ray_actor_options": {"num_cpus": 0.5}},
+        torch_threads=1,
+    ),
+    generator=ModelServingConfig(
+        name="transformer-shakespeare",
+        checkpoint=DEFAULT_GENERATOR,
+        # Requests not yet taken in by the engine count as waiting: 32 streams at once may all
+        # reach one replica before its next step. (The 429 tests flood the translator.)
+        engine=EngineConfig(n_slots=16, max_waiting=32, default_max_tokens=16),
+        deployment={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
+        torch_threads=1,
+    ),
+)
+
+
+def replica_stats(deployment: str, calls: int = 30) -> dict[str, dict[str, Any]]:
+    """Engine stats by replica id (calls spread over the replicas by Serve's router)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app_name=APP_NAME)
+    stats: dict[str, dict[str, Any]] = {}
+    for _ in range(calls):
+        s = handle.stats.remote().result()
+        stats[s["replica"]] = s
+    return stats
+
+
+def scrape(metrics_url: str, name: str, **labels: str) -> float:
+    """The sum over all series (replicas) of sample `name` with these labels on Ray's endpoint."""
+    text = httpx.get(metrics_url, timeout=30).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+# --- Event streams (SSE) ---
+
+
+def stream_data(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> list[str]:
+    """POSTs `body` to `url`, asserts a 200 event stream, and returns every event's data, in order
+    (the last is "[DONE]" for a stream that ended as the service ends one)."""
+    with httpx.Client(timeout=timeout_s) as http, connect_sse(http, "POST", url, json=body) as source:
+        assert source.response.status_code == 200, source.response.read()
+        return [event.data for event in source.iter_sse()]
+
+
+def leave_stream(url: str, body: dict[str, Any], after_events: int) -> None:
+    """Opens a 200 event stream, reads `after_events` events, and closes the connection."""
+    with httpx.Client(timeout=60) as http, connect_sse(http, "POST", url, json=body) as source:
+        assert source.response.status_code == 200, source.response.read()
+        events = source.iter_sse()
+        for _ in range(after_events):
+            next(events)
+
+
+async def astream_data(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[str]:
+    """stream_data through an async client."""
+    async with aconnect_sse(http, "POST", path, json=body) as source:
+        assert source.response.status_code == 200, await source.response.aread()
+        return [event.data async for event in source.aiter_sse()]
+
+
+def assert_serves(url: str) -> None:
+    """One translation, one completion and one stream through the app at `url`, answered in full."""
+    translation = httpx.post(f"{url}/v1/translate", json={"text": "A man is riding a bike.", "beam_size": 1}, timeout=120)
+    assert translation.status_code == 200 and translation.json()["translations"][0]["text"].startswith("Ein Mann"), translation.text
+    body = {"model": "transformer-shakespeare", "prompt": "ROMEO:\n", "max_tokens": 8, "temperature": 0}
+    completion = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 8, completion.text
+    frames = stream_data(f"{url}/v1/completions", body | {"stream": True}, timeout_s=120)
+    streamed = "".join(json.loads(f)["choices"][0]["text"] for f in frames[:-1])
+    assert frames[-1] == "[DONE]" and streamed == completion.json()["choices"][0]["text"]
