@@ -207,7 +207,8 @@ def start_cluster(
     directory: Path, *, num_cpus: int = 4, num_gpus: int = 0, extra_env: Mapping[str, str] | None = None, timeout_s: float = 180.0
 ) -> LocalCluster:
     """A head and a worker node on this machine, each with `num_cpus` CPUs and `num_gpus` GPUs (Ray's
-    logical resources: a node may declare GPUs it lacks, to place a GPU config's replicas). Returns
+    logical resources: a node may declare GPUs it lacks, to place a GPU config's replicas); the head
+    also has the resource "head" (1), to keep a replica there (ServiceConfig.ingress_actor_options). Returns
     once both nodes are alive; on failure, ends what it started and raises."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "auth_token").write_text(secrets.token_hex(32))
@@ -226,7 +227,7 @@ def start_cluster(
             "--head", f"--port={gcs_port}", "--node-ip-address=127.0.0.1", f"--temp-dir={directory / 'ray'}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
             f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={head_metrics}",
-            f"--ray-client-server-port={free_port()}", *resources,
+            f"--ray-client-server-port={free_port()}", '--resources={"head": 1}', *resources,
         ]  # fmt: skip
         cluster.processes.append(start_node(directory, "head", head_args, env))
         wait_until(lambda: len(cluster.alive_nodes()) == 1, timeout_s, "the head node", cluster)

@@ -39,6 +39,7 @@ def build_app(config: ServiceConfig) -> Application:
         graceful_shutdown_timeout_s=max(m.serve_options["graceful_shutdown_timeout_s"] for m in models),
         graceful_shutdown_wait_loop_s=min(m.serve_options.get("graceful_shutdown_wait_loop_s", 2.0) for m in models),
         max_surge_percent=100,
+        ray_actor_options={"num_cpus": 0, **config.ingress_actor_options},
         # The ingress writes its own access line (service/api/app.py: request id, sizes, timing);
         # Serve's would be a second line per request.
         logging_config={"enable_access_log": False},

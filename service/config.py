@@ -38,6 +38,20 @@ DEPLOYMENT_DEFAULTS: dict[str, Any] = {"graceful_shutdown_timeout_s": 60.0, "max
 SET_BY_THE_SERVICE = {"name", "max_ongoing_requests", "backpressure_config"}
 
 
+def checked_serve_options(options: dict[str, Any]) -> dict[str, Any]:
+    """options, if Serve's own DeploymentSchema takes them as a deployment's (and they leave the
+    service's own, SET_BY_THE_SERVICE, alone); else ValueError naming what is wrong."""
+    from ray.serve.schema import DeploymentSchema  # Serve's own check, where a config is read
+
+    unknown = set(options) - set(DeploymentSchema.model_fields)
+    if unknown:
+        raise ValueError(f"not an option of a Serve deployment: {', '.join(sorted(unknown))}")
+    if set(options) & SET_BY_THE_SERVICE:
+        raise ValueError(f"set by the service, not in deployment: {', '.join(sorted(SET_BY_THE_SERVICE))}")
+    DeploymentSchema.model_validate({"name": "model", **options})
+    return options
+
+
 class ModelServingConfig(BaseModel):
     """One model deployment: its checkpoint, its engine's limits and defaults (per replica), and
     its replicas."""
@@ -67,15 +81,7 @@ class ModelServingConfig(BaseModel):
     @field_validator("deployment")
     @classmethod
     def _serve_deployment_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        from ray.serve.schema import DeploymentSchema  # Serve's own check, where a config is read
-
-        unknown = set(options) - set(DeploymentSchema.model_fields)
-        if unknown:
-            raise ValueError(f"not an option of a Serve deployment: {', '.join(sorted(unknown))}")
-        if set(options) & SET_BY_THE_SERVICE:
-            raise ValueError(f"set by the service, not in deployment: {', '.join(sorted(SET_BY_THE_SERVICE))}")
-        DeploymentSchema.model_validate({"name": "model", **options})
-        return options
+        return checked_serve_options(options)
 
     @property
     def serve_options(self) -> dict[str, Any]:
@@ -131,6 +137,9 @@ class ServiceConfig(BaseModel):
     max_attention_sentences: int = Field(4, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
     ingress_max_queued_requests: int = 512
+    # Ray actor options of the ingress replica (Serve's ray_actor_options, over {"num_cpus": 0}), e.g.
+    # {"resources": {"head": 0.01}} to keep it on a node that is not lost with a worker.
+    ingress_actor_options: dict[str, Any] = {}
     ingress_max_in_flight: int = Field(1024, ge=1)  # HTTP requests in the ingress at once; past it, 503 at once
     retry_after_seconds: int = 1
     # API keys (service/api/auth.py); none: no key needed. SecretStr: never shown by repr or dumps.
@@ -148,6 +157,12 @@ class ServiceConfig(BaseModel):
         if not all(re.fullmatch(r"[!-~]+", k.get_secret_value()) for k in keys):
             raise ValueError("each API key must be printable ASCII without spaces (it travels in an HTTP header)")
         return keys
+
+    @field_validator("ingress_actor_options")
+    @classmethod
+    def _ingress_actor_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        checked_serve_options({"ray_actor_options": options})
+        return options
 
     @field_validator("cors_origins")
     @classmethod

@@ -147,7 +147,7 @@ class RayBackend:
         return bool(await asyncio.wait_for(self.handle.ready.remote(), READY_TIMEOUT_S))
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment  # its options: service/app.py build_app
 @serve.ingress()
 class Ingress:
     """Validates and routes HTTP requests; holds only handles to the model deployments."""

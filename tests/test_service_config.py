@@ -2,9 +2,11 @@
 
 import pytest
 from pydantic import ValidationError
+from ray.serve._private.build_app import build_app as build_serve_app
 
 from model.paths import DEFAULT_TRANSLATOR
-from service.config import DEPLOYMENT_DEFAULTS, ModelServingConfig
+from service.app import build_app
+from service.config import DEPLOYMENT_DEFAULTS, ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig
 
 
@@ -38,3 +40,11 @@ def test_the_options_pass_through_over_the_services_defaults_with_the_engines_re
     }
     assert model({"num_replicas": 3}).max_requests_held == 30
     assert model({"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}).max_requests_held is None
+
+
+def test_the_ingress_actor_options_are_checked_by_serve_and_keep_it_off_the_cpus() -> None:
+    with pytest.raises(ValidationError, match="num_cpus"):
+        ServiceConfig(ingress_actor_options={"num_cpus": -1})
+    config = ServiceConfig(ingress_actor_options={"resources": {"head": 0.01}})
+    built = {d.name: d for d in build_serve_app(build_app(config), name="app").deployments}
+    assert built["Ingress"].ray_actor_options == {"num_cpus": 0, "resources": {"head": 0.01}}

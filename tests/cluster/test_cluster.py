@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import httpx
 import psutil
 import pytest
 import yaml
+from httpx_sse import connect_sse
 
 from loadtests.cluster import (
     MODEL_DEPLOYMENTS,
@@ -63,7 +65,10 @@ def deployed() -> Iterator[Deployed]:
             monitor = run_prometheus(cluster, directory / "prometheus") if shutil.which("prometheus") else None
             try:
                 port = free_port()
-                cluster.deploy(write_config(cluster_config(port), directory / "v1.json"))
+                # The generator can be held by the rollout test (fault injection, tests only); its
+                # engine is then stalled on purpose, so its heartbeat is allowed as long.
+                held = {"generator": {"fault_injection": True, "heartbeat_timeout_s": 600}}
+                cluster.deploy(write_config(cluster_config(port, models=held), directory / "v1.json"))
                 cluster.wait_for(ReplicaCheck(running={"Translator": 1, "Generator": 1}))
                 yield Deployed(cluster, f"http://127.0.0.1:{port}", port, monitor and monitor.url, directory)
             finally:
@@ -184,16 +189,71 @@ def rollout(deployed: Deployed, deploy: Callable[[], object], load: Load, after_
     return asyncio.run(run_scenario(cluster, deployed.url, scenario)), old
 
 
-def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut_stream(deployed: Deployed) -> None:
-    """The rollout loses nothing, and the old generator replica drains: the streams it was sending
-    when it was told to stop end with [DONE] and the text the model makes for their request.
+# Run in the cluster's environment as a Ray driver: arms every running generator replica's
+# FaultInjectingRunner so that its next step stalls until the file argv[2] exists, or ("busy")
+# waits until the armed replicas hold a request. Prints the replica ids.
+GENERATOR_CONTROL = """
+import sys, time, ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="error")
+handle = serve.get_deployment_handle("Generator", app_name="transformers")
+if sys.argv[3] == "arm":
+    print(" ".join(sorted({handle.inject_fault.remote("stall", 1, None, sys.argv[2]).result() for _ in range(20)})))
+else:
+    deadline = time.monotonic() + 120
+    while not any(s["running"] + s["waiting"] for s in (handle.stats.remote().result() for _ in range(5))):
+        assert time.monotonic() < deadline, "the held request never reached the generator"
+        time.sleep(0.2)
+"""
 
-    Such streams do not depend on the machine's speed: the six stream clients send 200-token streams
-    back to back until the rollout is over (not for a number of requests; the bound is a broken
-    cluster's), so the old replica, the only generator replica until the new one runs, holds six
-    streams when Serve starts its drain (right after the new one runs: max_surge_percent). What is
-    left to timing is only that a stream outlasts the gap between two samples of the replicas'
-    states (0.5 s and one dashboard call), and a slower machine slows both alike."""
+
+def control_generator(cluster: LocalCluster, release: Path, command: str) -> list[str]:
+    done = cluster.cli(
+        "python", "-c", GENERATOR_CONTROL, cluster.gcs_address, str(release), command, env={"RAY_ADDRESS": cluster.gcs_address}
+    )
+    return done.stdout.split()
+
+
+def read_held_stream(url: str, body: dict[str, Any], result: dict[str, Any]) -> None:
+    """Reads one streamed completion to its end into result: its data lines, its text, and when it ended."""
+    with httpx.Client(timeout=600) as http, connect_sse(http, "POST", f"{url}/v1/completions", json=body) as source:
+        result["status"] = source.response.status_code
+        result["data"] = [event.data for event in source.iter_sse()]
+    result["ended"] = time.monotonic()
+
+
+def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut_stream(deployed: Deployed) -> None:
+    """The rollout loses nothing, and the old generator replica drains: a stream it holds when it
+    is told to stop ends with [DONE] and the text the model makes for its request.
+
+    The stream spans the switch by construction, whatever the machine's speed: the old replica's
+    engine is held (a stall until a file exists, tests only: `fault_injection`) from before the
+    stream is sent until the test has seen the new replica running and the old one draining;
+    only then is the file written and the stream answered."""
+    cluster = deployed.cluster
+    release = deployed.directory / "release-old-generator"
+    running = {r.replica_id for r in replicas(cluster) if r.deployment == "Generator" and r.state == "RUNNING"}
+    assert set(control_generator(cluster, release, "arm")) == running  # every generator replica held
+    body = {"model": "transformer-shakespeare", "prompt": "ROMEO:\n", "max_tokens": 48, "temperature": 0, "stream": True}
+    held: dict[str, Any] = {}
+    reader = threading.Thread(target=read_held_stream, args=(deployed.url, body, held), daemon=True)
+    reader.start()
+    control_generator(cluster, release, "busy")  # the stream is in the held replica's engine
+
+    def release_once_switched() -> None:
+        """Writes the release file once a new generator replica runs and the held ones drain."""
+        deadline = time.monotonic() + 600  # a bound on a broken cluster
+        while time.monotonic() < deadline:
+            generators = [r for r in replicas(cluster) if r.deployment == "Generator"]
+            new_running = any(r.state == "RUNNING" and r.replica_id not in running for r in generators)
+            if new_running and all(r.state != "RUNNING" for r in generators if r.replica_id in running):
+                held["released"] = time.monotonic()
+                release.touch()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=release_once_switched, daemon=True)
+    watcher.start()
     # A new checkpoint folder for the translator, new engine limits and pacing for the generator.
     checkpoint = shutil.copytree(ROOT / "model" / "checkpoints" / "translator-en-de", deployed.directory / "translator-en-de-v2")
     models = {
@@ -202,36 +262,24 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
     }
     v2 = write_config(cluster_config(deployed.port, models=models), deployed.directory / "v2.json")
     load = Load(streams=6, completions=1, translations=2, max_requests=BROKEN_CLUSTER_REQUESTS, max_tokens=200)
-    timeline, old = rollout(deployed, lambda: deployed.cluster.deploy(v2), load, after_rollout=8)
+    timeline, old = rollout(deployed, lambda: cluster.deploy(v2), load, after_rollout=8)
     print("rollout:", summary(timeline), "deploy from", timeline.action_start, "to", timeline.action_end, "settled", timeline.settled)
+    watcher.join(timeout=60)
+    reader.join(timeout=600)
     assert timeline.failures() == [], timeline.failures()[:5]
     assert all(r.status == 200 for r in timeline.results)
-    final = replicas(deployed.cluster)
+    final = replicas(cluster)
     assert timeline.settled is not None and not old & {r.replica_id for r in final}, final
     assert {r.deployment for r in final} == {"Ingress", *MODEL_DEPLOYMENTS}
-    app = deployed.cluster.application()
+    app = cluster.application()
     assert app is not None and app["deployed_app_config"]["args"]["translator"]["checkpoint"] == str(checkpoint)
 
-    # Streams started while only the old generator replica ran (before the last sample without a
-    # new one running) and still open at the first sample without an old one running.
-    def generator(sample_replicas: list[Replica], of_old: bool) -> bool:
-        return any(r.deployment == "Generator" and r.state == "RUNNING" and (r.replica_id in old) == of_old for r in sample_replicas)
-
-    new_seen = next_t(timeline, lambda rs: generator(rs, of_old=False))
-    only_old = max(s.t for s in timeline.samples if s.t < new_seen)
-    old_gone = next_t(timeline, lambda rs: not generator(rs, of_old=True), after=only_old)
-    drained = [r for r in timeline.results if r.kind == "stream" and r.start < only_old and r.end > old_gone]
-    assert drained, f"no stream spanned the switch (old replica alone at {only_old:.1f} s, gone at {old_gone:.1f} s)"
-    print(f"{len(drained)} streams started on the old generator replica before {only_old:.1f} s, still open at {old_gone:.1f} s")
-    for stream in drained:
-        again = {k: v for k, v in stream.body.items() if k not in ("stream", "stream_options")}
-        answer = httpx.post(f"{deployed.url}/v1/completions", json=again, timeout=120)
-        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == stream.text, (stream.body, stream.text, answer.text)
-
-
-def next_t(timeline: Timeline, holds: Callable[[list[Replica]], bool], after: float = 0.0) -> float:
-    """The first sample time (after `after`) whose replicas satisfy `holds`."""
-    return next(s.t for s in timeline.samples if s.t > after and holds(s.replicas))
+    # The held stream: answered only after the switch was seen, in full, with the model's text.
+    assert "released" in held and held["ended"] > held["released"], held
+    assert held["status"] == 200 and held["data"][-1] == "[DONE]", held
+    text = "".join(c["text"] for d in held["data"][:-1] for c in json.loads(d).get("choices", []))
+    again = httpx.post(f"{deployed.url}/v1/completions", json={**body, "stream": False}, timeout=120)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == text, (text, again.text)
 
 
 def test_the_images_command_serves_the_gpu_config_here(deployed: Deployed) -> None:
