@@ -142,6 +142,10 @@ class ServiceConfig(BaseModel):
     ingress_actor_options: dict[str, Any] = {}
     ingress_max_in_flight: int = Field(1024, ge=1)  # HTTP requests in the ingress at once; past it, 503 at once
     retry_after_seconds: int = 1
+    # A request whose model replica is lost before any of its answer went out is sent again
+    # (service/ingress.py): at most this many sends in all, none later than this after the first.
+    lost_replica_tries: int = Field(3, ge=1)
+    lost_replica_deadline_s: float = Field(30.0, gt=0)
     # API keys (service/api/auth.py); none: no key needed. SecretStr: never shown by repr or dumps.
     api_keys: tuple[SecretStr, ...] = ()
     # The name of an environment variable holding more keys, comma-separated (on a cluster, one set

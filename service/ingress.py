@@ -165,7 +165,8 @@ class Ingress:
             def retried(outcome: str) -> None:
                 self.retries.inc(1, tags={"model": model.name, "outcome": outcome})
 
-            return RayBackend(handle, ModelLoad(model.max_requests_held), config.retry_after_seconds, failed, retried)
+            retries = RetryPolicy(config.lost_replica_tries, config.lost_replica_deadline_s)
+            return RayBackend(handle, ModelLoad(model.max_requests_held), config.retry_after_seconds, failed, retried, retries)
 
         to_translator, to_generator = backend(translator, config.translator), backend(generator, config.generator)
         backends = Backends(to_translator, to_generator, {"translator": to_translator.load, "generator": to_generator.load})
