@@ -406,6 +406,19 @@ def scores() -> str:
     return RECORDED.format(file="benchmarks/results/scores.json") + "\n\n" + translator + "\n\n" + generator
 
 
+def generator_validation() -> str:
+    """docs/training.md: the generator validation of 10 stretches, its halves, and stretch 9."""
+    data = result("generator_validation")
+    unseen = data["stretch_9_unseen_by_all_four"]["nats_per_char"]
+    rows = [
+        [r["name"], f"{r['A']:.4f}", f"{r['B']:.4f}", f"{r['all']:.4f}", f"{stretch_9:.4f}"]
+        for r, stretch_9 in zip(data["checkpoints"], unseen.values(), strict=True)
+    ]
+    header = ["generator (nats/char)", "half A", "half B", "all 10 stretches", "stretch 9 (unseen by all four)"]
+    spearman = ", ".join(f"{name.replace('_', ' ')} {value:.1f}" for name, value in data["spearman_A_B"].items())
+    return table(header, rows) + f"\n\nSpearman of the halves' rankings: {spearman}."
+
+
 REPORTS: dict[str, Callable[[], str]] = {
     "headline": headline,
     "speed": speed,
@@ -422,6 +435,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "sweep-designs": sweep_designs,
     "scaling": scaling,
     "scores": scores,
+    "generator-validation": generator_validation,
 }
 
 

@@ -1,8 +1,11 @@
 """Training data: Multi30k sentence pairs in token-budget batches, Tiny Shakespeare windows."""
 
+import bisect
 import gzip
 import hashlib
+import itertools
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +15,12 @@ from torch import Tensor
 from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-VALIDATION_FRACTION = 0.1  # the generator's own validation split: the last 10% of train.txt
+# The generator's validation: VALIDATION_STRETCHES runs of whole speeches, together about
+# VALIDATION_FRACTION of train.txt, centred at evenly spaced points; training text stays
+# VALIDATION_MARGIN characters (rounded out to whole speeches) away from each stretch.
+VALIDATION_FRACTION = 0.1
+VALIDATION_STRETCHES = 10
+VALIDATION_MARGIN = 512
 
 
 def read_lines(path: Path) -> list[str]:
@@ -26,10 +34,79 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+Span = tuple[int, int]  # character offsets [begin, end)
+
+
+@dataclass(frozen=True)
+class ShakespeareSplit:
+    """Disjoint character spans of one text: validation stretches in text order (even-numbered in
+    half A, odd-numbered in half B) and the training segments between them."""
+
+    validation: list[Span]
+    training: list[Span]
+
+    def half(self, name: str) -> list[Span]:
+        """The stretches of half "A" or "B"."""
+        return self.validation[{"A": 0, "B": 1}[name] :: 2]
+
+    def describe(self) -> dict[str, object]:
+        """The split as training.json records it."""
+        return {
+            "rule": f"{len(self.validation)} stretches of whole speeches (blank-line separated), {VALIDATION_FRACTION:.0%} "
+            f"of the text in all, centred at evenly spaced points; training text kept {VALIDATION_MARGIN} characters "
+            "(rounded out to whole speeches) away; half A the even-numbered stretches, half B the odd-numbered",
+            "validation_spans": [list(s) for s in self.validation],
+            "training_spans": [list(s) for s in self.training],
+            "validation_characters": sum(e - b for b, e in self.validation),
+            "training_characters": sum(e - b for b, e in self.training),
+        }
+
+
+def speech_starts(text: str) -> list[int]:
+    """Offsets where a speech begins (0, and after each run of blank lines), then len(text)."""
+    return [0] + [m.end() for m in re.finditer(r"\n\n+", text) if m.end() < len(text)] + [len(text)]
+
+
+def shakespeare_split(
+    text: str, stretches: int = VALIDATION_STRETCHES, fraction: float = VALIDATION_FRACTION, margin: int = VALIDATION_MARGIN
+) -> ShakespeareSplit:
+    """The validation stretches and training segments of text; a function of the text alone.
+
+    Stretch i starts at the first speech start at or after the point (i + 1/2) * len / stretches
+    less half a stretch, and ends at the first speech start fraction * len / stretches later.
+    ValueError if the stretches and margins do not fit apart (too short a text).
+    """
+    starts = speech_starts(text)
+
+    def at_or_after(offset: float) -> int:
+        return starts[min(bisect.bisect_left(starts, offset), len(starts) - 1)]
+
+    def at_or_before(offset: float) -> int:
+        return starts[max(bisect.bisect_right(starts, offset) - 1, 0)]
+
+    size = fraction * len(text) / stretches
+    validation: list[Span] = []
+    for i in range(stretches):
+        begin = at_or_after((i + 0.5) * len(text) / stretches - size / 2)
+        validation.append((begin, at_or_after(begin + size)))
+    training: list[Span] = []
+    previous_end = 0
+    for begin, end in [*validation, (len(text) + margin, len(text) + margin)]:
+        segment = (at_or_after(previous_end + margin) if previous_end else 0, at_or_before(begin - margin))
+        if segment[0] < segment[1]:
+            training.append(segment)
+        previous_end = end
+    spans = sorted(validation + training)
+    overlapping = any(e > b for (_, e), (b, _) in itertools.pairwise(spans))
+    if not training or any(b >= e for b, e in validation) or overlapping:
+        raise ValueError(f"a text of {len(text)} characters is too short for {stretches} separate stretches")
+    return ShakespeareSplit(validation, training)
+
+
 def split_shakespeare(text: str) -> tuple[str, str]:
-    """(train, validation): validation is the last VALIDATION_FRACTION of the text."""
-    cut = int(len(text) * (1 - VALIDATION_FRACTION))
-    return text[:cut], text[cut:]
+    """(training, validation) text of shakespeare_split, each part's spans joined."""
+    split = shakespeare_split(text)
+    return "".join(text[b:e] for b, e in split.training), "".join(text[b:e] for b, e in split.validation)
 
 
 @dataclass
@@ -85,8 +162,15 @@ def collate_pairs(pairs: list[tuple[list[int], list[int]]]) -> PairBatch:
     )
 
 
-def lm_windows(ids: Tensor, block: int, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Random windows of a token stream: inputs (B, block) and next-token targets (B, block)."""
-    starts = torch.randint(0, len(ids) - block - 1, (batch_size,), generator=generator)
-    windows = torch.stack([ids[s : s + block + 1] for s in starts.tolist()])  # (B, block + 1)
+def lm_windows(segments: list[Tensor], block: int, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random windows of token streams, each inside one segment, every such window equally likely:
+    inputs (B, block) and next-token targets (B, block)."""
+    counts = torch.tensor([max(0, len(s) - block) for s in segments])  # window starts per segment
+    if int(counts.sum()) == 0:
+        raise ValueError(f"no segment holds a window of {block + 1} tokens")
+    bounds = counts.cumsum(0)
+    picks = torch.randint(0, int(bounds[-1]), (batch_size,), generator=generator)
+    which = torch.searchsorted(bounds, picks, right=True)
+    offsets = picks - (bounds[which] - counts[which])
+    windows = torch.stack([segments[w][o : o + block + 1] for w, o in zip(which.tolist(), offsets.tolist(), strict=True)])
     return windows[:, :-1], windows[:, 1:]

@@ -15,6 +15,39 @@ def nats_per_char(model: Generator, tokenizer: Tokenizer, text: str, device: tor
 
     Per character divides by the characters those tokens cover, so tokenizers compare.
     """
+    return stretches_nats_per_char(model, tokenizer, [text], device, batch_size)
+
+
+@torch.no_grad()
+def stretches_nats_per_char(
+    model: Generator, tokenizer: Tokenizer, texts: list[str], device: torch.device, batch_size: int = 32
+) -> dict[str, float]:
+    """nats_per_char over several separate texts: each is scored on its own (no context carried
+    over from one to the next), and the totals are summed before dividing."""
+    total_nll, total_tokens, scored_chars = 0.0, 0, 0
+    for text in texts:
+        nll, tokens, chars = _text_nll(model, tokenizer, text, device, batch_size)
+        total_nll, total_tokens, scored_chars = total_nll + nll, total_tokens + tokens, scored_chars + chars
+    return {
+        "nats_per_char": total_nll / scored_chars,
+        "nats_per_token": total_nll / total_tokens,
+        "nll": total_nll,
+        "tokens": float(total_tokens),
+        "characters": float(sum(len(t) for t in texts)),
+        "scored_characters": float(scored_chars),
+    }
+
+
+def halves_nats_per_char(model: Generator, tokenizer: Tokenizer, halves: dict[str, list[str]], device: torch.device) -> dict[str, float]:
+    """stretches_nats_per_char of each half of a validation (its name: its stretches), and of all
+    the stretches together under "all"."""
+    scores = {name: stretches_nats_per_char(model, tokenizer, texts, device) for name, texts in halves.items()}
+    nll = sum(s["nll"] for s in scores.values())
+    return {**{name: s["nats_per_char"] for name, s in scores.items()}, "all": nll / sum(s["scored_characters"] for s in scores.values())}
+
+
+def _text_nll(model: Generator, tokenizer: Tokenizer, text: str, device: torch.device, batch_size: int) -> tuple[float, int, int]:
+    """(total nll, tokens scored, characters they cover) of one text, as nats_per_char scores it."""
     ids = tokenizer.encode(text)
     window = model.config.max_len
     stride = window // 2
@@ -37,9 +70,4 @@ def nats_per_char(model: Generator, tokenizer: Tokenizer, text: str, device: tor
             total_nll -= float(log_probs[row, positions, targets].sum())
             total_tokens += len(targets)
     first_token_chars = len(tokenizer.piece_bytes(ids[0]).decode("utf-8", errors="replace"))
-    return {
-        "nats_per_char": total_nll / (len(text) - first_token_chars),
-        "nats_per_token": total_nll / total_tokens,
-        "tokens": float(total_tokens),
-        "characters": float(len(text)),
-    }
+    return total_nll, total_tokens, len(text) - first_token_chars

@@ -10,9 +10,19 @@ Resumes from <out>/state.pt when it exists; keeps the best checkpoint by validat
 --keep-snapshots N the last N validated steps as <out>/step-NNNNNN (for model.average).
 --init-from starts from a checkpoint folder's config, weights and tokenizer with a fresh optimizer;
 training.json records that folder (path, SHA-256 of its weights, its command) and the schedule.
+--patience N stops once N validations in a row have not improved on the best.
+
+The generator trains on the segments of train.txt that model.data.shakespeare_split leaves between
+its validation stretches (windows never cross a segment's end), and validates on both halves of
+the stretches ("val" is all of them). --schedule cosine-minutes decays over the --minutes budget
+(wall time, validation included, summed over resumes) rather than over --max-steps:
+
+    python -m model.train generator --out runs/gen27 --schedule cosine-minutes --minutes 95 --max-steps 100000 \
+        --eval-every 120 --keep-snapshots 40 --threads 1
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import shlex
@@ -39,16 +49,17 @@ from model.data import (
     lm_windows,
     pad,
     read_lines,
-    split_shakespeare,
+    shakespeare_split,
     token_budget_batches,
 )
 from model.generator import Generator
-from model.lm_scoring import nats_per_char
+from model.lm_scoring import halves_nats_per_char
 from model.reference_decoding import greedy_translate_uncached
 from model.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from model.translator import Translator
 
-SCHEDULES = ["inverse-sqrt", "cosine", "warmup-constant-linear"]
+SCHEDULES = ["inverse-sqrt", "cosine", "cosine-minutes", "warmup-constant-linear"]
+COSINE_FLOOR = 0.1  # the cosine schedules end at this fraction of the peak learning rate
 
 
 def inverse_sqrt_schedule(warmup: int) -> Callable[[int], float]:
@@ -56,14 +67,19 @@ def inverse_sqrt_schedule(warmup: int) -> Callable[[int], float]:
     return lambda step: min((step + 1) / warmup, math.sqrt(warmup / (step + 1)))
 
 
-def cosine_schedule(warmup: int, total: int, floor: float = 0.1) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+def cosine(progress: float, floor: float = COSINE_FLOOR) -> float:
+    """Half a cosine from 1 at progress 0 down to floor at progress 1 (and after)."""
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    return factor
+
+def cosine_schedule(warmup: int, total: int) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay reaching the floor at step total."""
+    return lambda step: (step + 1) / warmup if step < warmup else cosine((step - warmup) / max(1, total - warmup))
+
+
+def cosine_minutes_schedule(warmup: int, spent: Callable[[], float]) -> Callable[[int], float]:
+    """Linear warm-up over steps, then cosine decay over spent(), the fraction of the time budget used."""
+    return lambda step: (step + 1) / warmup if step < warmup else cosine(spent())
 
 
 def warmup_constant_linear_schedule(warmup: int, total: int, decay_start: float) -> Callable[[int], float]:
@@ -80,19 +96,24 @@ def warmup_constant_linear_schedule(warmup: int, total: int, decay_start: float)
     return factor
 
 
-def make_schedule(args: argparse.Namespace) -> Callable[[int], float]:
+def make_schedule(args: argparse.Namespace, spent: Callable[[], float]) -> Callable[[int], float]:
+    """The --schedule's learning-rate factor of the step; spent() is the fraction of --minutes used."""
     if args.schedule == "inverse-sqrt":
         return inverse_sqrt_schedule(args.warmup)
     if args.schedule == "cosine":
         return cosine_schedule(args.warmup, args.max_steps)
+    if args.schedule == "cosine-minutes":
+        return cosine_minutes_schedule(args.warmup, spent)
     return warmup_constant_linear_schedule(args.warmup, args.max_steps, args.decay_start)
 
 
 def schedule_info(args: argparse.Namespace) -> dict[str, Any]:
     """The learning-rate schedule as training.json records it."""
     info: dict[str, Any] = {"name": args.schedule, "peak_lr": args.lr, "warmup": args.warmup, "max_steps": args.max_steps}
-    if args.schedule == "cosine":
-        info["floor"] = 0.1
+    if args.schedule in ("cosine", "cosine-minutes"):
+        info["floor"] = COSINE_FLOOR
+    if args.schedule == "cosine-minutes":
+        info["minutes"] = args.minutes
     if args.schedule == "warmup-constant-linear":
         info["decay_start"] = args.decay_start
     return info
@@ -125,6 +146,8 @@ def initial_model(
         return model, tokenizer
     tokenizer = train_tokenizer()
     config = config_type.preset(args.preset)
+    if args.dropout is not None:
+        config = dataclasses.replace(config, dropout=args.dropout)
     assert config.vocab_size == tokenizer.vocab_size
     torch.manual_seed(args.seed)
     return build_model(config), tokenizer
@@ -159,10 +182,11 @@ class Trainer:
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=args.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_schedule(args))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_schedule(args, lambda: self.wall / (60 * args.minutes)))
         self.out = Path(args.out)
         self.step = 0
         self.elapsed = 0.0  # training seconds over all runs (resumes included)
+        self.wall = 0.0  # seconds of steps and validations over all runs
         self.best: float | None = None
         self.history: list[dict[str, float]] = []
         # The SHA-256 of the --init-from weights ("" for none): a resume must start from the same folder.
@@ -176,6 +200,7 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.step, self.elapsed = int(state["step"]), float(state["elapsed"])
+            self.wall = float(state.get("wall", self.elapsed))
             self.best = state["best"]
             self.history = json.loads(state["history"])
             print(f"resumed from {state_path} at step {self.step}", flush=True)
@@ -188,6 +213,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "elapsed": self.elapsed,
+            "wall": self.wall,
             "best": self.best,
             "history": json.dumps(self.history),
             "init_from_sha256": self.init_from_sha256,
@@ -205,15 +231,18 @@ class Trainer:
         self,
         next_batch: Callable[[int], tuple[torch.Tensor, ...]],
         loss_of: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, int]],
-        validate: Callable[[], float],
+        validate: Callable[[], dict[str, float]],
         higher_is_better: bool,
         training_info: Callable[[], dict[str, Any]],
     ) -> None:
+        """Steps until --max-steps, the --minutes deadline (for cosine-minutes: of all runs together) or
+        --patience validations without improvement. validate() returns the score as "val", and more
+        figures for the history."""
         args = self.args
-        deadline = time.monotonic() + args.minutes * 60
+        deadline = time.monotonic() + args.minutes * 60 - (self.wall if args.schedule == "cosine-minutes" else 0)
         self.model.train()
         bar = tqdm(total=args.max_steps, initial=self.step, mininterval=args.progress_seconds, file=sys.stdout)
-        while self.step < args.max_steps and time.monotonic() < deadline:
+        while self.step < args.max_steps and time.monotonic() < deadline and not self.out_of_patience(higher_is_better):
             started = time.monotonic()
             batch = tuple(t.to(self.device) for t in next_batch(self.step))
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
@@ -229,10 +258,10 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{n_tokens / seconds:.0f}", lr=f"{self.scheduler.get_last_lr()[0]:.2e}")
             if self.step % args.eval_every == 0 or self.step == args.max_steps or time.monotonic() >= deadline:
-                score = validate()
-                self.history.append(
-                    {"step": self.step, "minutes": round(self.elapsed / 60, 1), "loss": round(loss.item(), 4), "val": round(score, 4)}
-                )
+                scores = validate()
+                score = scores["val"]
+                figures = {name: round(value, 4) for name, value in scores.items()}
+                self.history.append({"step": self.step, "minutes": round(self.elapsed / 60, 1), "loss": round(loss.item(), 4), **figures})
                 improved = self.best is None or (score > self.best if higher_is_better else score < self.best)
                 print(f"\nstep {self.step} val {score:.4f} {'(best)' if improved else ''}", flush=True)
                 if improved:
@@ -240,8 +269,18 @@ class Trainer:
                     save_checkpoint(self.out / "best", self.model, self.tokenizer, training_info())
                 if args.keep_snapshots:
                     self.save_snapshot(training_info())
+                self.wall += time.monotonic() - started
                 self.save_state()
+            else:
+                self.wall += time.monotonic() - started
         bar.close()
+
+    def out_of_patience(self, higher_is_better: bool) -> bool:
+        """Whether the last --patience validations all failed to improve on the best before them."""
+        if not self.args.patience or len(self.history) <= self.args.patience:
+            return False
+        scores = [h["val"] if higher_is_better else -h["val"] for h in self.history]
+        return max(scores[-self.args.patience :]) <= max(scores[: -self.args.patience])
 
 
 @dataclass
@@ -251,7 +290,7 @@ class Job:
     trainer: Trainer
     next_batch: Callable[[int], tuple[torch.Tensor, ...]]
     loss_of: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, int]]
-    validate: Callable[[], float]
+    validate: Callable[[], dict[str, float]]
     higher_is_better: bool
     info: Callable[[], dict[str, Any]]
 
@@ -310,8 +349,8 @@ def translator_job(args: argparse.Namespace) -> Job:
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=PAD_ID, label_smoothing=args.label_smoothing)
         return loss, int((tgt_out != PAD_ID).sum())
 
-    def validate() -> float:
-        return validate_translator(model, tokenizer, val_en, val_de, trainer.device)
+    def validate() -> dict[str, float]:
+        return {"val": validate_translator(model, tokenizer, val_en, val_de, trainer.device)}
 
     def info() -> dict[str, Any]:
         return {**common_info(args, trainer, files), "best_val_bleu_greedy": trainer.best}
@@ -321,33 +360,37 @@ def translator_job(args: argparse.Namespace) -> Job:
 
 def generator_job(args: argparse.Namespace) -> Job:
     path = Path(args.data) / "tinyshakespeare" / "train.txt"
-    train_text, val_text = split_shakespeare(path.read_text(encoding="utf-8"))
+    text = path.read_text(encoding="utf-8")
+    split = shakespeare_split(text)
+    train_texts = [text[b:e] for b, e in split.training]
+    halves = {name: [text[b:e] for b, e in split.half(name)] for name in ("A", "B")}
 
     def train_tokenizer() -> Tokenizer:
-        paragraphs = [p + "\n\n" for p in train_text.split("\n\n")]
+        paragraphs = [p + "\n\n" for segment in train_texts for p in segment.split("\n\n")]
         return Tokenizer.train(paragraphs, args.vocab_size, keep_layout=True)
 
     model, tokenizer = initial_model(args, GeneratorConfig, train_tokenizer)
     assert isinstance(model, Generator)
     trainer = Trainer(args, model, tokenizer)
-    train_ids = torch.tensor(tokenizer.encode(train_text), dtype=torch.long)
+    train_segments = [torch.tensor(ids, dtype=torch.long) for ids in tokenizer.encode_batch(train_texts)]
 
     def next_batch(step: int) -> tuple[torch.Tensor, ...]:
-        return lm_windows(train_ids, model.config.max_len, args.batch_size, torch.Generator().manual_seed(args.seed * 1_000_003 + step))
+        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        return lm_windows(train_segments, model.config.max_len, args.batch_size, generator)
 
     def loss_of(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
         x, y = batch
         logits = model(x)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten()), y.numel()
 
-    def validate() -> float:
+    def validate() -> dict[str, float]:
         model.eval()
-        score = nats_per_char(model, tokenizer, val_text, trainer.device)["nats_per_char"]
+        scores = halves_nats_per_char(model, tokenizer, halves, trainer.device)
         model.train()
-        return score
+        return {"val": scores["all"], "val_A": scores["A"], "val_B": scores["B"]}
 
     def info() -> dict[str, Any]:
-        return {**common_info(args, trainer, [path]), "validation": "last 10% of train.txt", "best_val_nats_per_char": trainer.best}
+        return {**common_info(args, trainer, [path]), "validation": split.describe(), "best_val_nats_per_char": trainer.best}
 
     return Job(trainer, next_batch, loss_of, validate, False, info)
 
@@ -364,11 +407,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--eval-every", type=int, default=200)
     parser.add_argument("--keep-snapshots", type=int, default=0, help="keep the last N validated steps as <out>/step-NNNNNN")
+    parser.add_argument("--patience", type=int, default=0, help="stop after N validations without improvement (0: never)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--schedule", choices=SCHEDULES, default=None, help="inverse-sqrt (translator) or cosine (generator) by default")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--decay-start", type=float, default=0.35, help="warmup-constant-linear: decay from this fraction of --max-steps")
     parser.add_argument("--weight-decay", type=float, default=None)
+    parser.add_argument("--dropout", type=float, default=None, help="replace the preset's dropout (new models only)")
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--label-smoothing", type=float, default=0.1)
     parser.add_argument("--batch-tokens", type=int, default=4000, help="translator: source tokens per batch")
@@ -380,8 +425,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     args.argv = argv
-    if args.init_from and (args.preset or args.vocab_size):
-        parser.error("--init-from takes the model's config and tokenizer from its folder; drop --preset and --vocab-size")
+    if args.init_from and (args.preset or args.vocab_size or args.dropout is not None):
+        parser.error("--init-from takes the model's config and tokenizer from its folder; drop --preset, --vocab-size and --dropout")
     translator = args.model == "translator"
     defaults = {
         "preset": "multi30k-small" if translator else "shakespeare-small",

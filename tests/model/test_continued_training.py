@@ -34,7 +34,7 @@ def data(tmp_path: Path) -> Path:
             with gzip.open(multi30k / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
                 f.write("\n".join(lines * copies) + "\n")
     (tmp_path / "data" / "tinyshakespeare").mkdir()
-    (tmp_path / "data" / "tinyshakespeare" / "train.txt").write_text(PLAY * 40, encoding="utf-8")
+    (tmp_path / "data" / "tinyshakespeare" / "train.txt").write_text(PLAY * 400, encoding="utf-8")
     return tmp_path / "data"
 
 
