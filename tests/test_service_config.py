@@ -48,3 +48,13 @@ def test_the_ingress_actor_options_are_checked_by_serve_and_keep_it_off_the_cpus
     config = ServiceConfig(ingress_actor_options={"resources": {"head": 0.01}})
     built = {d.name: d for d in build_serve_app(build_app(config), name="app").deployments}
     assert built["Ingress"].ray_actor_options == {"num_cpus": 0, "resources": {"head": 0.01}}
+
+
+def test_the_command_lines_config_sets_replicas_and_cpus_through_serves_options() -> None:
+    """`python -m service` (the README's `make serve`) builds its config without Ray running."""
+    from service.__main__ import parse_args, service_config
+
+    config = service_config(parse_args(["--generator-replicas", "2", "--slots", "8", "--device", "cpu"]))
+    assert config.generator.deployment == {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0.0}}
+    assert config.translator.deployment["num_replicas"] == 1 and config.generator.engine.n_slots == 8
+    assert config.generator.max_requests_held == 2 * (8 + config.generator.engine.max_waiting)
