@@ -146,11 +146,11 @@ TEST_CONFIG = ServiceConfig(
 )
 
 
-def replica_stats(deployment: str, calls: int = 30) -> dict[str, dict[str, Any]]:
+def replica_stats(deployment: str, calls: int = 30, app: str = APP_NAME) -> dict[str, dict[str, Any]]:
     """Engine stats by replica id (calls spread over the replicas by Serve's router)."""
     from ray import serve
 
-    handle = serve.get_deployment_handle(deployment, app_name=APP_NAME)
+    handle = serve.get_deployment_handle(deployment, app_name=app)
     stats: dict[str, dict[str, Any]] = {}
     for _ in range(calls):
         s = handle.stats.remote().result()

@@ -241,7 +241,9 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
     control_generator(cluster, release, "busy")  # the stream is in the held replica's engine
 
     def release_once_switched() -> None:
-        """Writes the release file once a new generator replica runs and the held ones drain."""
+        """Writes the release file once a new generator replica runs and the held ones drain. (Not
+        LocalCluster.wait_for: that waits for the application to be RUNNING, which it is not
+        until the held replicas have drained, that is until the release.)"""
         deadline = time.monotonic() + 600  # a bound on a broken cluster
         while time.monotonic() < deadline:
             generators = [r for r in replicas(cluster) if r.deployment == "Generator"]

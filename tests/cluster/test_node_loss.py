@@ -114,12 +114,13 @@ def test_losing_the_worker_node_under_load_loses_no_request(cluster: tuple[Local
     def outcomes() -> dict[str, float]:
         return {o: scrape(head_metrics, "ray_serving_request_retries_total", outcome=o) for o in RETRY_OUTCOMES}
 
-    deadline = time.monotonic() + 120  # Ray exports metrics every few seconds; a bound on a broken exporter
-    while not (
-        outcomes()["cut"] == cut
-        and sum(outcomes().values()) > 0
-        and (outcomes()["retried"] == 0 or outcomes()["answered"] + outcomes()["unavailable"] > 0)
-    ):
-        assert time.monotonic() < deadline, f"the ingress's counts {outcomes()} against {cut} streams cut"
-        time.sleep(2)
-    print("retries by outcome:", outcomes())
+    def counted(seen: dict[str, float]) -> bool:
+        return seen["cut"] == cut and sum(seen.values()) > 0 and (seen["retried"] == 0 or seen["answered"] + seen["unavailable"] > 0)
+
+    # Ray exports metrics every few seconds; 120 s bounds a broken exporter. (Not loadtests.cluster's
+    # wait_until: it stops when a `ray start` has exited, as the worker's has.)
+    deadline = time.monotonic() + 120
+    while not counted(seen := outcomes()):
+        assert time.monotonic() < deadline, f"the ingress's counts {seen} against {cut} streams cut"
+        time.sleep(2)  # a poll interval: the loop ends on the counts, not on time
+    print("retries by outcome:", seen)

@@ -15,6 +15,7 @@ from httpx_sse import connect_sse
 from service.config import ServiceConfig
 from service.engine.config import EngineConfig
 from tests.helpers import TEST_CONFIG, scrape
+from tests.helpers import replica_stats as shared_replica_stats
 
 APP = "faults"
 FAST_HEALTH = {"fault_injection": True, "heartbeat_timeout_s": 3.0}
@@ -68,11 +69,7 @@ def handle(deployment: str) -> Any:
 
 
 def replica_stats(deployment: str, calls: int = 20) -> dict[str, dict[str, Any]]:
-    stats: dict[str, dict[str, Any]] = {}
-    for _ in range(calls):
-        s = handle(deployment).stats.remote().result()
-        stats[s["replica"]] = s
-    return stats
+    return shared_replica_stats(deployment, calls, APP)
 
 
 def failures(metrics_url: str, model: str, reason: str) -> float:
