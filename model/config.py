@@ -5,12 +5,14 @@ from dataclasses import dataclass
 from typing import Any, Literal, Self
 
 Positions = Literal["sinusoidal", "rope", "alibi"]
-Activation = Literal["relu", "gelu"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "silu"]  # gelu: the erf form; gelu_tanh: GPT-2's; silu: swish
+SinusoidLayout = Literal["interleaved", "halves"]  # sin/cos at dims 2i/2i+1 (the paper), or sines first (Marian)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Fields shared by both architectures. Special token ids are fixed by the tokenizers."""
+    """Fields shared by both architectures. Special ids come from the checkpoint (our tokenizers fix
+    pad 0, unk 1, bos 2, eos 3; a Hugging Face folder's config says its own)."""
 
     vocab_size: int = 8000
     d_model: int = 256
@@ -25,6 +27,9 @@ class ModelConfig:
     unk_id: int = 1
     bos_id: int = 2
     eos_id: int = 3
+    suppressed_ids: tuple[int, ...] = ()  # never generated (Marian's pad: its bad_words_ids)
+    norm_eps: float = 1e-5  # every LayerNorm's epsilon
+    tie_embeddings: bool = True  # the output projection is the embedding table; else its own matrix (lm_head)
 
     @property
     def head_dim(self) -> int:
@@ -36,7 +41,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}  # JSON lists back to tuples
+        return cls(**values)
 
     @classmethod
     def preset(cls, name: str) -> Self:
@@ -52,6 +58,16 @@ class TranslatorConfig(ModelConfig):
 
     n_encoder_layers: int = 3
     n_decoder_layers: int = 3
+    source_lang: str = "en"
+    target_lang: str = "de"
+    decoder_start_id: int | None = None  # the decoder's first input; None: bos_id (Marian's own models start from pad)
+    scale_embedding: bool = True  # embeddings times sqrt(d_model)
+    logits_bias: bool = False  # a learned bias on the output logits (Marian's final_logits_bias)
+    sinusoid_layout: SinusoidLayout = "interleaved"
+
+    @property
+    def start_id(self) -> int:
+        return self.bos_id if self.decoder_start_id is None else self.decoder_start_id
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,9 @@ class GeneratorConfig(ModelConfig):
     norm_first: bool = True
     positions: Positions = "rope"
     activation: Activation = "gelu"
+    parallel_residual: bool = False  # x + attn(ln1(x)) + ffn(ln2(x)) (GPT-NeoX, Pythia); else sequential
+    rotary_fraction: float = 1.0  # RoPE rotates the first fraction of each head's dims (GPT-NeoX rotary_pct)
+    rope_base: float = 10000.0
 
 
 PRESETS: dict[str, dict[str, ModelConfig]] = {

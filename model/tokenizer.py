@@ -3,11 +3,30 @@
 import io
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import sentencepiece as spm
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class TextTokenizer(Protocol):
+    """What the engine needs of a tokenizer: ours (below) or a Hugging Face folder's (model/hf_tokenizers.py)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids without any special token."""
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids; special ids are dropped."""
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes this token contributes when it follows other text (b"" for special ids):
+        streaming joins them, so no character is ever split."""
 
 
 class Tokenizer:

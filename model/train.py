@@ -134,18 +134,22 @@ def init_from_info(directory: Path) -> dict[str, Any]:
 
 
 def initial_model(
-    args: argparse.Namespace, config_type: type[ModelConfig], train_tokenizer: Callable[[], Tokenizer]
+    args: argparse.Namespace, config_type: type[ModelConfig], train_tokenizer: Callable[[], Tokenizer], **fields: Any
 ) -> tuple[Model, Tokenizer]:
     """The model and tokenizer to train: the --init-from folder's (its config.json, float32 weights,
-    tokenizer), or a new tokenizer and a freshly initialised preset model. Seeds torch with --seed."""
+    tokenizer), or a new tokenizer and a freshly initialised preset model with `fields` replaced.
+    Seeds torch with --seed."""
     if args.init_from:
         model, tokenizer = load_checkpoint(Path(args.init_from))
         if not isinstance(model.config, config_type):
             raise SystemExit(f"--init-from {args.init_from} holds a {type(model.config).__name__}, not a {config_type.__name__}")
+        for name, value in fields.items():
+            if getattr(model.config, name) != value:
+                raise SystemExit(f"--init-from {args.init_from} has {name} {getattr(model.config, name)!r}, not {value!r}")
         torch.manual_seed(args.seed)
         return model, tokenizer
     tokenizer = train_tokenizer()
-    config = config_type.preset(args.preset)
+    config = dataclasses.replace(config_type.preset(args.preset), **fields)
     if args.dropout is not None:
         config = dataclasses.replace(config, dropout=args.dropout)
     assert config.vocab_size == tokenizer.vocab_size
@@ -318,12 +322,14 @@ def common_info(args: argparse.Namespace, trainer: Trainer, data_files: list[Pat
 
 def translator_job(args: argparse.Namespace) -> Job:
     data = Path(args.data) / "multi30k"
-    files = [data / f"{split}.{lang}.gz" for split in ("train", "val") for lang in ("en", "de")]
-    train_en, train_de, val_en, val_de = (read_lines(f) for f in files)
-    model, tokenizer = initial_model(args, TranslatorConfig, lambda: Tokenizer.train(train_en + train_de, args.vocab_size))
+    files = [data / f"{split}.{lang}.gz" for split in ("train", "val") for lang in ("en", args.target_lang)]
+    train_en, train_tgt, val_en, val_tgt = (read_lines(f) for f in files)
+    model, tokenizer = initial_model(
+        args, TranslatorConfig, lambda: Tokenizer.train(train_en + train_tgt, args.vocab_size), source_lang="en", target_lang=args.target_lang
+    )
     assert isinstance(model, Translator)
     trainer = Trainer(args, model, tokenizer)
-    pairs = encode_pairs(tokenizer, train_en, train_de, model.config.max_len - 1)
+    pairs = encode_pairs(tokenizer, train_en, train_tgt, model.config.max_len - 1)
     epoch_batches: dict[int, list[list[int]]] = {}  # the latest epoch's batches only
     epoch_sizes: dict[int, int] = {}  # batches per epoch, so a step need not lay out the epochs before it again
 
@@ -350,7 +356,7 @@ def translator_job(args: argparse.Namespace) -> Job:
         return loss, int((tgt_out != PAD_ID).sum())
 
     def validate() -> dict[str, float]:
-        return {"val": validate_translator(model, tokenizer, val_en, val_de, trainer.device)}
+        return {"val": validate_translator(model, tokenizer, val_en, val_tgt, trainer.device)}
 
     def info() -> dict[str, Any]:
         return {**common_info(args, trainer, files), "best_val_bleu_greedy": trainer.best}
@@ -403,6 +409,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="run folder: state.pt (resume) and best/ (checkpoint)")
     parser.add_argument("--init-from", default=None, help="checkpoint folder to continue from (config, weights, tokenizer)")
     parser.add_argument("--preset", default=None)
+    parser.add_argument("--target-lang", default="de", choices=["de", "fr", "cs"], help="translator: the target language (Multi30k's side)")
     parser.add_argument("--minutes", type=float, default=60.0, help="stop after this much wall time")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--eval-every", type=int, default=200)

@@ -1,0 +1,93 @@
+"""What a checkpoint folder holds, read from its JSON files alone (no tensor library): the service's
+configuration reads it in processes that never load a model.
+
+Two kinds of folder:
+- ours (model.checkpoint): config.json with "architecture" TranslatorConfig or GeneratorConfig;
+- Hugging Face's: config.json with "architectures" (MarianMTModel, GPTNeoXForCausalLM), weights
+  as safetensors (one file or shards with model.safetensors.index.json) or pytorch_model.bin, and
+  the tokenizer's files. A translator's languages come from tokenizer_config.json
+  (source_lang / target_lang).
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+ModelKind = Literal["translator", "generator"]
+
+OUR_ARCHITECTURES: dict[str, ModelKind] = {"TranslatorConfig": "translator", "GeneratorConfig": "generator"}
+HF_ARCHITECTURES: dict[str, ModelKind] = {"MarianMTModel": "translator", "GPTNeoXForCausalLM": "generator"}
+# Architectures people bring that are not served yet, with what to say.
+NOT_YET_SUPPORTED = ("T5ForConditionalGeneration", "BartForConditionalGeneration", "M2M100ForConditionalGeneration", "LlamaForCausalLM")
+# ISO 639-2/3 codes some opus-mt folders use, to the two-letter codes clients send.
+TWO_LETTER = {"eng": "en", "deu": "de", "ger": "de", "fra": "fr", "fre": "fr", "ces": "cs", "cze": "cs", "spa": "es", "ita": "it"}
+
+
+class CheckpointError(ValueError):
+    """A folder that cannot be served; str() is one line naming the file and the problem."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+
+
+@dataclass(frozen=True)
+class FolderInfo:
+    kind: ModelKind
+    architecture: str  # ours (TranslatorConfig, GeneratorConfig) or Hugging Face's (MarianMTModel, ...)
+    hugging_face: bool
+    source_lang: str | None = None  # translators only; None when the folder does not say
+    target_lang: str | None = None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from path, or CheckpointError saying why not."""
+    if not path.is_file():
+        raise CheckpointError(path, "missing")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(path, f"not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(path, "not a JSON object")
+    return data
+
+
+def language_code(code: str) -> str:
+    return TWO_LETTER.get(code.lower(), code.lower())
+
+
+def inspect_folder(path: Path) -> FolderInfo:
+    """The folder's kind, architecture and (translators) languages; CheckpointError when it is not a
+    folder the service can serve."""
+    if not path.is_dir():
+        raise CheckpointError(path, "not a folder")
+    config = read_json(path / "config.json")
+    if "architecture" in config:
+        kind = OUR_ARCHITECTURES.get(config["architecture"])
+        if kind is None:
+            raise CheckpointError(path / "config.json", f"unknown architecture {config['architecture']!r}")
+        if kind == "generator":
+            return FolderInfo(kind, config["architecture"], hugging_face=False)
+        source, target = config.get("source_lang", "en"), config.get("target_lang", "de")
+        return FolderInfo(kind, config["architecture"], False, language_code(source), language_code(target))
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or not architectures:
+        raise CheckpointError(path / "config.json", 'names no "architectures" (nor our "architecture")')
+    name = str(architectures[0])
+    kind = HF_ARCHITECTURES.get(name)
+    if kind is None:
+        later = " (not supported yet)" if name in NOT_YET_SUPPORTED else ""
+        supported = ", ".join(HF_ARCHITECTURES)
+        raise CheckpointError(path / "config.json", f"unknown architecture {name!r}{later}; supported: {supported}")
+    if kind == "generator":
+        return FolderInfo(kind, name, hugging_face=True)
+    tokenizer_config = read_json(path / "tokenizer_config.json")
+    source, target = (tokenizer_config.get(key) for key in ("source_lang", "target_lang"))
+    return FolderInfo(
+        kind,
+        name,
+        True,
+        language_code(source) if isinstance(source, str) else None,
+        language_code(target) if isinstance(target, str) else None,
+    )
