@@ -34,18 +34,20 @@ COMPLETION = {"prompt": "ROMEO:\n", "max_tokens": 8}
 
 def refusing_config() -> ServiceConfig:
     return ServiceConfig(
-        translator=ModelServingConfig(
-            name="transformer-en-de",
-            checkpoint=DEFAULT_TRANSLATOR,
-            engine=EngineConfig(n_slots=4),
-            deployment={"ray_actor_options": {"num_cpus": 0.1}},
-        ),
-        generator=ModelServingConfig(
-            name="transformer-shakespeare",
-            checkpoint=DEFAULT_GENERATOR,
-            engine=EngineConfig(n_slots=1, max_waiting=1, default_max_tokens=16, queue_timeout_s=None, request_timeout_s=None),
-            deployment={"max_queued_requests": 1, "ray_actor_options": {"num_cpus": 0.1}},
-            fault_injection=True,
+        models=(
+            ModelServingConfig(
+                name="transformer-en-de",
+                checkpoint=DEFAULT_TRANSLATOR,
+                engine=EngineConfig(n_slots=4),
+                deployment={"ray_actor_options": {"num_cpus": 0.1}},
+            ),
+            ModelServingConfig(
+                name="transformer-shakespeare",
+                checkpoint=DEFAULT_GENERATOR,
+                engine=EngineConfig(n_slots=1, max_waiting=1, default_max_tokens=16, queue_timeout_s=None, request_timeout_s=None),
+                deployment={"max_queued_requests": 1, "ray_actor_options": {"num_cpus": 0.1}},
+                fault_injection=True,
+            ),
         ),
     )
 

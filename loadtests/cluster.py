@@ -32,7 +32,9 @@ from service.config import RAY_ENVIRONMENT
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 APP_NAME = "transformers"
-MODEL_DEPLOYMENTS = ("Translator", "Generator")
+# The model deployments of deploy/serve_config.yaml (named as their models).
+TRANSLATOR, GENERATOR = "transformer-en-de", "transformer-shakespeare"
+MODEL_DEPLOYMENTS = (TRANSLATOR, GENERATOR)
 STOP_GRACE_S = 5.0
 
 

@@ -29,17 +29,27 @@ import httpx
 import yaml
 from httpx_sse import SSEError, aconnect_sse
 
-from loadtests.cluster import ROOT, LocalCluster, Replica, ReplicaCheck, free_port, local_cluster, replicas_of, write_config
+from loadtests.cluster import (
+    GENERATOR,
+    ROOT,
+    TRANSLATOR,
+    LocalCluster,
+    Replica,
+    ReplicaCheck,
+    free_port,
+    local_cluster,
+    replicas_of,
+    write_config,
+)
 
 CPU_CONFIG = ROOT / "deploy" / "serve_config.yaml"
-GENERATOR_MODEL = "transformer-shakespeare"
 DATA = json.loads((Path(__file__).parent / "data" / "prompts.json").read_text())
 # Changes to the shipped CPU config for a run on one machine: replicas scale on the shipped
 # targets, but within seconds instead of minutes (Serve's handles report every 10 s regardless).
 CLUSTER_AUTOSCALING = {"upscale_delay_s": 2, "downscale_delay_s": 10, "look_back_period_s": 5}
 POLL_S = 0.5
 REQUEST_TIMEOUT_S = 120.0
-GENERATOR_REPLICAS = 'count(max by (replica) (ray_serve_deployment_replica_healthy{deployment="Generator"}) == 1)'
+GENERATOR_REPLICAS = f'count(max by (replica) (ray_serve_deployment_replica_healthy{{deployment="{GENERATOR}"}}) == 1)'
 
 
 def cluster_config(port: int, base: Path = CPU_CONFIG, models: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
@@ -156,7 +166,7 @@ def check_translation(answer: Any) -> str | None:
 
 async def request(http: httpx.AsyncClient, kind: str, rng: random.Random, max_tokens: int) -> Result:
     """Sends one request of this kind; returns its Result (times not yet set)."""
-    completion = {"model": GENERATOR_MODEL, "prompt": rng.choice(DATA["prompts"]), "max_tokens": max_tokens}
+    completion = {"model": GENERATOR, "prompt": rng.choice(DATA["prompts"]), "max_tokens": max_tokens}
     completion |= {"temperature": 0.8, "seed": rng.randrange(1 << 30)}
     if kind == "stream":
         body = completion | {"stream": True, "stream_options": {"include_usage": True}}
@@ -264,21 +274,21 @@ def autoscaling_scenario(after_scale_out: int = 200) -> Scenario:
     bound on a broken cluster); the scenario ends when the generator is back to one replica."""
 
     def scaled_out_and_served(timeline: Timeline) -> bool:
-        t = timeline.first("Generator", 2)
+        t = timeline.first(GENERATOR, 2)
         return t is not None and timeline.completed_after(t) >= after_scale_out
 
     return Scenario(
         load=Load(streams=16, completions=6, translations=2, max_requests=1000),
         stop_when=scaled_out_and_served,
-        settled=ReplicaCheck(running={"Generator": 1, "Translator": 1}),
+        settled=ReplicaCheck(running={GENERATOR: 1, TRANSLATOR: 1}),
     )
 
 
 def summary(timeline: Timeline) -> dict[str, Any]:
     """The numbers the README quotes: when the generator scaled out and back, the peak, requests."""
-    scale_out = timeline.first("Generator", 2)
-    peak = max((n for _, n in timeline.running("Generator")), default=0)
-    back = timeline.first_at_most("Generator", 1, timeline.load_end) if timeline.load_end is not None else None
+    scale_out = timeline.first(GENERATOR, 2)
+    peak = max((n for _, n in timeline.running(GENERATOR)), default=0)
+    back = timeline.first_at_most(GENERATOR, 1, timeline.load_end) if timeline.load_end is not None else None
     statuses: dict[str, int] = {}
     for r in timeline.results:
         statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
@@ -303,7 +313,7 @@ def plot(timeline: Timeline, out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True, gridspec_kw={"height_ratios": [1, 1]})
-    starting = timeline.running("Generator", ("STARTING", "RUNNING"))
+    starting = timeline.running(GENERATOR, ("STARTING", "RUNNING"))
     top.step(
         [t for t, _ in starting],
         [n for _, n in starting],
@@ -312,11 +322,11 @@ def plot(timeline: Timeline, out: Path, title: str) -> None:
         color="tab:blue",
         linestyle=":",
     )
-    for deployment, color in (("Generator", "tab:blue"), ("Translator", "tab:orange")):
+    for deployment, color in ((GENERATOR, "tab:blue"), (TRANSLATOR, "tab:orange")):
         series = timeline.running(deployment)
         top.step([t for t, _ in series], [n for _, n in series], where="post", label=f"{deployment} replicas running", color=color)
     top.set_ylabel("replicas")
-    top.set_ylim(0, max(max(n for _, n in timeline.running("Generator")), 1) + 1)
+    top.set_ylim(0, max(max(n for _, n in timeline.running(GENERATOR)), 1) + 1)
     top.legend(loc="upper right", fontsize=8)
     times = [s.t for s in timeline.samples]
     generator = [timeline.in_flight(("stream", "completion"), t) for t in times]

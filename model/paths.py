@@ -5,4 +5,5 @@ from pathlib import Path
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
 DEFAULT_TRANSLATOR = CHECKPOINTS / "translator-en-de"
+DEFAULT_TRANSLATOR_FR = CHECKPOINTS / "translator-en-fr"
 DEFAULT_GENERATOR = CHECKPOINTS / "generator-shakespeare"

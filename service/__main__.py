@@ -1,4 +1,11 @@
-"""`python -m service`: start a local Ray, deploy both models, serve until Ctrl-C.
+"""`python -m service`: start a local Ray, deploy the models, serve until Ctrl-C.
+
+    python -m service                                  # the shipped checkpoints
+    python -m service --model opus=/models/opus-mt-en-fr --model pythia=/models/pythia-70m
+
+`--model NAME=PATH` (repeatable; `--model PATH` names it after its folder) serves exactly those
+folders: ours (model/checkpoints) or Hugging Face's (MarianMT, GPT-NeoX). A folder that cannot be
+served stops the command with one line naming the file and the problem.
 
 Listens on 127.0.0.1:8000 and exports metrics on 127.0.0.1:8080 unless told otherwise. API keys,
 if any, come from the environment variable SERVING_API_KEYS (comma-separated), read at startup.
@@ -16,9 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
-from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
-from service.engine.config import EngineConfig
+from pydantic import ValidationError
+
+from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
 
 API_KEYS_ENV = "SERVING_API_KEYS"  # not a flag: a process's arguments are visible to every user
 
@@ -28,52 +35,67 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus metrics export port")
-    parser.add_argument("--translator-checkpoint", type=Path, default=DEFAULT_TRANSLATOR)
-    parser.add_argument("--generator-checkpoint", type=Path, default=DEFAULT_GENERATOR)
+    parser.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH", help="a checkpoint folder to serve (repeatable)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--translator-replicas", type=int, default=1)
-    parser.add_argument("--generator-replicas", type=int, default=1)
-    parser.add_argument("--slots", type=int, default=None, help="concurrent sequences per replica (default: 64 translator, 32 generator)")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas of each model")
+    parser.add_argument("--slots", type=int, default=None, help="concurrent sequences per replica (default: 64 translators, 32 generators)")
     parser.add_argument("--torch-threads", type=int, default=None, help="CPU threads per replica")
     parser.add_argument("--cors-origin", action="append", default=[], help="an origin browsers may call the API from (repeatable)")
     return parser.parse_args(argv)
+
+
+def model_entries(specs: list[str]) -> list[ModelServingConfig]:
+    """--model NAME=PATH or PATH (named after the folder), each read from its folder; a folder that
+    cannot be served is a ValueError of one line."""
+    entries = []
+    for spec in specs:
+        name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+        folder = Path(path).expanduser()
+        name = name or folder.resolve().name
+        try:
+            entries.append(ModelServingConfig(name=name, checkpoint=folder))
+        except ValidationError as error:
+            raise ValueError(f"--model {spec}: {error.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    return entries
 
 
 def service_config(args: argparse.Namespace) -> ServiceConfig:
     """ServiceConfig's defaults, with what the command line sets."""
     import torch
 
-    # Both models share this machine's GPU, if it has one.
-    gpus = 0.5 if args.device != "cpu" and torch.cuda.is_available() else 0.0
-    defaults = ServiceConfig()
-    common = {"device": args.device, "torch_threads": args.torch_threads}
+    models = model_entries(args.model) if args.model else list(ServiceConfig().models)
+    # The models share this machine's GPU, if it has one.
+    gpus = round(1 / len(models), 3) if args.device != "cpu" and torch.cuda.is_available() else 0.0
+    deployment: dict[str, Any] = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": gpus}}
 
-    def deployment(replicas: int) -> dict[str, Any]:
-        return {"num_replicas": replicas, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": gpus}}
+    def configured(model: ModelServingConfig) -> ModelServingConfig:
+        engine = model.engine
+        if model.kind == "translator" and args.slots is None:
+            engine = replace(engine, n_slots=64)
+        if model.kind == "generator" and engine.default_max_tokens is None:
+            engine = replace(engine, default_max_tokens=16)  # OpenAI's default for completions
+        if args.slots is not None:
+            engine = replace(engine, n_slots=args.slots)
+        update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}
+        return model.model_copy(update=update)
 
-    def slots(engine: EngineConfig) -> EngineConfig:
-        return engine if args.slots is None else replace(engine, n_slots=args.slots)
+    return ServiceConfig(cors_origins=args.cors_origin, models=tuple(configured(m) for m in models))
 
-    translator, generator = defaults.translator, defaults.generator
-    return ServiceConfig(
-        cors_origins=args.cors_origin,
-        translator=translator.model_copy(
-            update={
-                "checkpoint": args.translator_checkpoint,
-                "deployment": deployment(args.translator_replicas),
-                "engine": slots(translator.engine),
-                **common,
-            }
-        ),
-        generator=generator.model_copy(
-            update={
-                "checkpoint": args.generator_checkpoint,
-                "deployment": deployment(args.generator_replicas),
-                "engine": slots(generator.engine),
-                **common,
-            }
-        ),
-    )
+
+def model_line(model: ModelServingConfig) -> str:
+    what = f"translator {model.source_lang} -> {model.target_lang}" if model.kind == "translator" else "generator"
+    return f"{model.name}: {what} ({model.checkpoint})"
+
+
+def examples(config: ServiceConfig, url: str) -> str:
+    lines = []
+    for model in config.models_of("translator")[:1]:
+        body = json.dumps({"q": "A man is riding a bike.", "source": model.source_lang, "target": model.target_lang})
+        lines.append(f"  curl -s {url}/translate -H 'Content-Type: application/json' -d '{body}'\n")
+    for model in config.models_of("generator")[:1]:
+        body = json.dumps({"model": model.name, "prompt": "ROMEO:", "max_tokens": 40})
+        lines.append(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n")
+    return "".join(lines)
 
 
 def wait_ready(url: str, timeout_s: float = 300.0) -> None:
@@ -91,7 +113,10 @@ def wait_ready(url: str, timeout_s: float = 300.0) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    config = service_config(args)
+    try:
+        config = service_config(args)
+    except ValueError as error:
+        raise SystemExit(f"python -m service: {error}") from None
     if API_KEYS_ENV in os.environ:  # set but holding no key: refused, rather than serving without keys
         config = config.model_copy(update={"api_keys_env": API_KEYS_ENV}).with_environment_keys(os.environ)
     os.environ.update(LOCAL_RAY_ENVIRONMENT)  # before Ray is imported
@@ -113,14 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     url = f"http://{args.host}:{args.port}"
     wait_ready(url)
     keys = f"{len(config.api_keys)} configured (send Authorization: Bearer <key>)" if config.api_keys else "none required"
-    example = json.dumps({"q": "A man is riding a bike.", "source": "en", "target": "de"})
     print(
         f"\nServing on {url}  (OpenAPI: {url}/docs)\n"
         f"Metrics for Prometheus: http://127.0.0.1:{args.metrics_port}/metrics\n"
-        f"API keys: {keys}\n\n"
-        f"Try:\n  curl -s {url}/translate -H 'Content-Type: application/json' -d '{example}'\n"
-        f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
-        f"""-d '{{"model": "transformer-shakespeare", "prompt": "ROMEO:", "max_tokens": 40}}'\n\n"""
+        f"API keys: {keys}\nModels:\n" + "".join(f"  {model_line(m)}\n" for m in config.models) + f"\nTry:\n{examples(config, url)}\n"
         "Ctrl-C stops the service.",
         flush=True,
     )

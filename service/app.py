@@ -1,5 +1,5 @@
-"""The Ray Serve application: the ingress (service/ingress.py) holding handles to the Translator
-and Generator deployments, which scale independently.
+"""The Ray Serve application: the ingress (service/ingress.py) holding handles to one deployment
+per served model (named as the model), each scaled on its own.
 
 Serve config: `import_path: service.app:app_builder`, `args:` a ServiceConfig as a mapping.
 """
@@ -24,12 +24,11 @@ def model_deployment(name: str, config: ModelServingConfig, retry_after_s: int) 
 
 
 def build_app(config: ServiceConfig) -> Application:
-    translator = model_deployment("Translator", config.translator, config.retry_after_seconds)
-    generator = model_deployment("Generator", config.generator, config.retry_after_seconds)
+    deployments = {m.name: model_deployment(m.name, m, config.retry_after_seconds) for m in config.models}
     ingress: Any = Ingress
-    # Every stream passes through the ingress: it drains as long as the slower model does. It
+    # Every stream passes through the ingress: it drains as long as the slowest model does. It
     # holds no model, so a rollout always starts the new ingress before stopping the old one.
-    models = (config.translator, config.generator)
+    models = config.models
     return ingress.options(
         max_ongoing_requests=4096,
         max_queued_requests=config.ingress_max_queued_requests,
@@ -43,7 +42,7 @@ def build_app(config: ServiceConfig) -> Application:
         # The ingress writes its own access line (service/api/app.py: request id, sizes, timing);
         # Serve's would be a second line per request.
         logging_config={"enable_access_log": False},
-    ).bind(config, translator, generator)
+    ).bind(config, deployments)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -6,9 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from model.folder import CheckpointError, ModelKind, inspect_folder
+from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, DEFAULT_TRANSLATOR_FR
 from service.engine.config import EngineConfig
 
 # Set for Ray's processes before `ray.init` (and in the Dockerfile): a proxy start timeout for busy
@@ -54,12 +55,16 @@ def checked_serve_options(options: dict[str, Any]) -> dict[str, Any]:
 
 class ModelServingConfig(BaseModel):
     """One model deployment: its checkpoint, its engine's limits and defaults (per replica), and
-    its replicas."""
+    its replicas. Its kind and a translator's languages are read from the checkpoint folder
+    (model/folder.py) unless the entry sets them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str  # the model id clients see
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # the model id clients see, and its Serve deployment's name
     checkpoint: Path
+    kind: ModelKind = "generator"  # read from the folder (_read_the_folder) when the entry leaves it out
+    source_lang: str | None = None  # translators: the languages they translate from and into
+    target_lang: str | None = None
     device: str = "auto"  # "auto": cuda when the replica has a GPU, else cpu
     # "auto": bfloat16 on cuda, float32 on cpu; "int8": int8 linear layers on the CPU (model/quantize.py)
     dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
@@ -77,6 +82,23 @@ class ModelServingConfig(BaseModel):
     # A streamed response sends its first token at once, then at most one piece per interval
     # (tokens made meanwhile travel together; Ray Serve LLM's default is 50 ms). 0: every token alone.
     stream_interval_ms: float = Field(50.0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_the_folder(cls, data: Any) -> Any:
+        """Fills kind and languages the entry leaves out from the checkpoint folder's JSON files."""
+        if not isinstance(data, dict) or "checkpoint" not in data:
+            return data
+        if "kind" in data and (data["kind"] == "generator" or ("source_lang" in data and "target_lang" in data)):
+            return data
+        try:
+            folder = inspect_folder(Path(data["checkpoint"]))
+        except CheckpointError as error:
+            raise ValueError(str(error)) from None
+        filled = {"kind": folder.kind, "source_lang": folder.source_lang, "target_lang": folder.target_lang} | data
+        if filled["kind"] == "translator" and not (filled["source_lang"] and filled["target_lang"]):
+            raise ValueError(f"{data['checkpoint']}: the folder names no source_lang and target_lang; set them in the model's entry")
+        return filled
 
     @field_validator("deployment")
     @classmethod
@@ -111,17 +133,23 @@ class ModelServingConfig(BaseModel):
         return replicas * self.max_ongoing_requests
 
 
+def shipped_models() -> tuple[ModelServingConfig, ...]:
+    """The checkpoints this repository trained and ships (model/checkpoints)."""
+    translators = [("transformer-en-de", DEFAULT_TRANSLATOR), ("transformer-en-fr", DEFAULT_TRANSLATOR_FR)]
+    return (
+        *(ModelServingConfig(name=name, checkpoint=path, engine=EngineConfig(n_slots=64)) for name, path in translators if path.is_dir()),
+        # OpenAI's completions default to 16 tokens when max_tokens is omitted.
+        ModelServingConfig(name="transformer-shakespeare", checkpoint=DEFAULT_GENERATOR, engine=EngineConfig(default_max_tokens=16)),
+    )
+
+
 class ServiceConfig(BaseModel):
     # hide_input_in_errors: a misspelt API key must not be printed back in the validation error.
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    translator: ModelServingConfig = ModelServingConfig(
-        name="transformer-en-de", checkpoint=DEFAULT_TRANSLATOR, engine=EngineConfig(n_slots=64)
-    )
-    # OpenAI's completions default to 16 tokens when max_tokens is omitted.
-    generator: ModelServingConfig = ModelServingConfig(
-        name="transformer-shakespeare", checkpoint=DEFAULT_GENERATOR, engine=EngineConfig(default_max_tokens=16)
-    )
+    # One Serve deployment each, autoscaled on its own. Requests name a model (`model`), or a
+    # translator by its languages; without either, a route takes the first model of its kind.
+    models: tuple[ModelServingConfig, ...] = Field(default_factory=shipped_models, min_length=1)
     default_beam_size: int = Field(4, ge=1, le=8)  # translation quality by default; greedy when asked or streaming
     max_prompt_chars: int = Field(2000, ge=1)  # per completion prompt, checked before tokenizing
     max_batch_texts: int = Field(32, ge=1)  # texts (list items) per translation request
@@ -154,6 +182,39 @@ class ServiceConfig(BaseModel):
     api_keys_env: str | None = None
     # Origins allowed to call the API from a browser (CORS); none: no CORS headers at all.
     cors_origins: tuple[str, ...] = ()
+
+    @field_validator("models")
+    @classmethod
+    def _distinct_names(cls, models: tuple[ModelServingConfig, ...]) -> tuple[ModelServingConfig, ...]:
+        names = [m.name for m in models]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"model names must be distinct: {', '.join(repeated)} repeated")
+        if "Ingress" in names:
+            raise ValueError("Ingress is the name of the service's own deployment")
+        return models
+
+    def models_of(self, kind: ModelKind) -> list[ModelServingConfig]:
+        return [m for m in self.models if m.kind == kind]
+
+    def model_named(self, name: str) -> ModelServingConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def translator(self) -> ModelServingConfig:
+        """The first translator: requests that name no model and no language pair go to it."""
+        return self._first("translator")
+
+    @property
+    def generator(self) -> ModelServingConfig:
+        """The first generator: completions that name no model go to it."""
+        return self._first("generator")
+
+    def _first(self, kind: ModelKind) -> ModelServingConfig:
+        models = self.models_of(kind)
+        if not models:
+            raise LookupError(f"no {kind} is served")
+        return models[0]
 
     @field_validator("api_keys")
     @classmethod

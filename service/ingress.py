@@ -152,7 +152,8 @@ class RayBackend:
 class Ingress:
     """Validates and routes HTTP requests; holds only handles to the model deployments."""
 
-    def __init__(self, config: ServiceConfig, translator: DeploymentHandle[Any], generator: DeploymentHandle[Any]) -> None:
+    def __init__(self, config: ServiceConfig, handles: dict[str, DeploymentHandle[Any]]) -> None:
+        """handles: each model's deployment, by model name."""
         self.failures = request_failure_counter()
         self.retries = request_retry_counter()
         self.config = config
@@ -168,16 +169,18 @@ class Ingress:
             retries = RetryPolicy(config.lost_replica_tries, config.lost_replica_deadline_s)
             return RayBackend(handle, ModelLoad(model.max_requests_held), config.retry_after_seconds, failed, retried, retries)
 
-        to_translator, to_generator = backend(translator, config.translator), backend(generator, config.generator)
-        backends = Backends(to_translator, to_generator, {"translator": to_translator.load, "generator": to_generator.load})
+        models = {m.name: backend(handles[m.name], m) for m in config.models}
+        backends = Backends(dict(models), {name: b.load for name, b in models.items()})
         # Serve's logger: the access lines land in this replica's log file with Serve's request context.
         self.api = create_api(config, backends, self.count_failure, logging.getLogger("ray.serve"))
 
     def count_failure(self, path: str, reason: str) -> None:
-        """Requests refused by the ingress itself (validation, keys, admission), by the model the
-        route declares (MODEL_EXTENSION); "none" for a route that reaches no model."""
+        """Requests refused by the ingress itself (validation, keys, admission), before a model was
+        chosen: under the route's kind of model (MODEL_EXTENSION) when one model of that kind is
+        served, its name; else the kind; "none" for a route that reaches no model."""
         kind = self.model_of_path.get(path)
-        model = {"translator": self.config.translator.name, "generator": self.config.generator.name}.get(kind or "", "none")
+        models = self.config.models_of(kind) if kind in ("translator", "generator") else []  # type: ignore[arg-type]
+        model = models[0].name if len(models) == 1 else (kind or "none")
         self.failures.inc(1, tags={"model": model, "reason": reason})
 
     def __serve_build_asgi_app__(self) -> FastAPI:

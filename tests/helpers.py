@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from model.generator import Generator
 from model.tokenizer import EOS_ID
+from service.api.backend import Backends, ModelBackend
 from service.config import ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
@@ -46,6 +47,7 @@ class FakeRunner:
     where length is prompt_ids[1] (or forever if the prompt has one token)."""
 
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    eos_id: int = EOS_ID
     max_prompt_len: int = 100
     strip_leading_space: bool = False
     fail_on: set[str] = field(default_factory=set)  # request ids whose step raises
@@ -103,6 +105,11 @@ def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500
 PROMPTS = [[5, 9, 13, 7], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8], [21, 33], [60, 4, 17]]
 
 
+def backends_for(config: ServiceConfig, backend: ModelBackend) -> Backends:
+    """Every model of config answered by one backend (a fake, for tests of the HTTP layer)."""
+    return Backends({m.name: backend for m in config.models})
+
+
 # --- The configs in deploy/ ---
 
 
@@ -127,21 +134,23 @@ def serve_configs() -> dict[str, dict[str, Any]]:
 
 APP_NAME = "transformers"
 TEST_CONFIG = ServiceConfig(
-    translator=ModelServingConfig(
-        name="transformer-en-de",
-        checkpoint=DEFAULT_TRANSLATOR,
-        engine=EngineConfig(n_slots=16, max_waiting=16),
-        deployment={"ray_actor_options": {"num_cpus": 0.5}},
-        torch_threads=1,
-    ),
-    generator=ModelServingConfig(
-        name="transformer-shakespeare",
-        checkpoint=DEFAULT_GENERATOR,
-        # Requests not yet taken in by the engine count as waiting: 32 streams at once may all
-        # reach one replica before its next step. (The 429 tests flood the translator.)
-        engine=EngineConfig(n_slots=16, max_waiting=32, default_max_tokens=16),
-        deployment={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
-        torch_threads=1,
+    models=(
+        ModelServingConfig(
+            name="transformer-en-de",
+            checkpoint=DEFAULT_TRANSLATOR,
+            engine=EngineConfig(n_slots=16, max_waiting=16),
+            deployment={"ray_actor_options": {"num_cpus": 0.5}},
+            torch_threads=1,
+        ),
+        ModelServingConfig(
+            name="transformer-shakespeare",
+            checkpoint=DEFAULT_GENERATOR,
+            # Requests not yet taken in by the engine count as waiting: 32 streams at once may all
+            # reach one replica before its next step. (The 429 tests flood the translator.)
+            engine=EngineConfig(n_slots=16, max_waiting=32, default_max_tokens=16),
+            deployment={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
+            torch_threads=1,
+        ),
     ),
 )
 

@@ -37,7 +37,7 @@ def test_deploy_configs_parse_into_service_config() -> None:
         (application,) = config["applications"]
         assert application["import_path"] == f"{app_builder.__module__}:{app_builder.__name__}", name
         parsed = ServiceConfig(**application["args"])  # extra="forbid": an unknown or misspelt field raises
-        for model in (parsed.translator, parsed.generator):
+        for model in parsed.models:
             # The image copies the repository to IMAGE_ROOT (Dockerfile WORKDIR).
             checkpoint = model.checkpoint.relative_to(IMAGE_ROOT) if model.checkpoint.is_absolute() else model.checkpoint
             assert (DEPLOY.parent / checkpoint / "model.safetensors").is_file(), f"{name}: {model.checkpoint}"
@@ -54,9 +54,10 @@ def test_every_serve_config_passes_rays_schema_and_builds_with_autoscaling_and_d
         # ServiceConfig is the one place for Serve's deployment options: no second place here.
         assert not application.deployments, f"{name}: deployment overrides would shadow ServiceConfig"
         built = {d.name: d for d in build_app(app_builder(application.args), name=application.name).deployments}
-        assert built.keys() == {"Translator", "Generator", "Ingress"}, name
+        models = [m.name for m in ServiceConfig(**application.args).models]
+        assert built.keys() == {*models, "Ingress"}, name
         request_timeout_s = config["http_options"]["request_timeout_s"]
-        for deployment in ("Translator", "Generator"):
+        for deployment in models:
             options = built[deployment]._deployment_config
             scaling = options.autoscaling_config
             assert scaling is not None and 1 <= scaling.min_replicas < scaling.max_replicas, f"{name} {deployment}"
@@ -88,7 +89,7 @@ def test_the_rayservice_authenticates_autoscales_probes_and_exports_metrics() ->
     # Room on the GPU workers for every model at max_replicas, plus a rollout's surge replicas.
     gpus_per_worker = int(workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
     args = serve_configs()["rayservice.yaml"]["applications"][0]["args"]
-    models = [ServiceConfig(**args).translator, ServiceConfig(**args).generator]
+    models = ServiceConfig(**args).models
     needed = sum(
         m.deployment["ray_actor_options"]["num_gpus"]
         * m.deployment["autoscaling_config"]["max_replicas"]

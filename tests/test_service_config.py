@@ -1,10 +1,15 @@
-"""A model's Serve deployment options: one field, checked by Serve's own schema, passed through."""
+"""The service's config: a model's Serve deployment options (one field, checked by Serve's own
+schema, passed through), and `python -m service`'s models from the command line."""
+
+import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 from ray.serve._private.build_app import build_app as build_serve_app
 
-from model.paths import DEFAULT_TRANSLATOR
+from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.app import build_app
 from service.config import DEPLOYMENT_DEFAULTS, ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig
@@ -54,7 +59,44 @@ def test_the_command_lines_config_sets_replicas_and_cpus_through_serves_options(
     """`python -m service` (the README's `make serve`) builds its config without Ray running."""
     from service.__main__ import parse_args, service_config
 
-    config = service_config(parse_args(["--generator-replicas", "2", "--slots", "8", "--device", "cpu"]))
-    assert config.generator.deployment == {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0.0}}
-    assert config.translator.deployment["num_replicas"] == 1 and config.generator.engine.n_slots == 8
-    assert config.generator.max_requests_held == 2 * (8 + config.generator.engine.max_waiting)
+    config = service_config(parse_args(["--replicas", "2", "--slots", "8", "--device", "cpu"]))
+    assert [m.name for m in config.models] == [m.name for m in ServiceConfig().models]  # the shipped checkpoints
+    for model in config.models:
+        assert model.deployment == {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0.0}}
+        assert model.engine.n_slots == 8 and model.max_requests_held == 2 * (8 + model.engine.max_waiting)
+
+
+def test_model_flags_serve_exactly_those_folders_named_as_told_or_after_the_folder(tmp_path: Path) -> None:
+    from service.__main__ import parse_args, service_config
+
+    copy = tmp_path / "my-translator"
+    shutil.copytree(DEFAULT_TRANSLATOR, copy)
+    config = service_config(parse_args(["--model", f"poet={DEFAULT_GENERATOR}", "--model", str(copy), "--device", "cpu"]))
+    assert [(m.name, m.kind, m.checkpoint) for m in config.models] == [
+        ("poet", "generator", DEFAULT_GENERATOR),
+        ("my-translator", "translator", copy),
+    ]
+    assert (config.translator.source_lang, config.translator.target_lang) == ("en", "de")
+    assert config.generator.engine.default_max_tokens == 16 and config.translator.engine.n_slots == 64
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda d: None, "config.json: missing"),
+        (
+            lambda d: (d / "config.json").write_text('{"architectures": ["T5ForConditionalGeneration"]}'),
+            "unknown architecture 'T5ForConditionalGeneration' (not supported yet)",
+        ),
+        (lambda d: (d / "config.json").write_text("{not json"), "config.json: not valid JSON"),
+    ],
+)
+def test_a_folder_that_cannot_be_served_stops_the_command_with_one_line(tmp_path: Path, make: Any, problem: str, capsys: Any) -> None:
+    from service.__main__ import main
+
+    make(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--model", f"bad={tmp_path}"])
+    message = str(stopped.value.code)
+    assert message.startswith(f"python -m service: --model bad={tmp_path}: {tmp_path}") and problem in message, message
+    assert "\n" not in message

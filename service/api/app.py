@@ -108,14 +108,19 @@ ROUTERS = (openai_routes.router, translation_routes.router, libretranslate_route
 
 class AdmissionMiddleware:
     """Refuses at once, before reading anything, with Retry-After and the documented body: past
-    max_in_flight requests at once (streams count until they end), 503; a route whose model is
-    full (`Backends.load`: as many of its requests in flight as its replicas hold, or its queue
-    refused one within the last Retry-After), 429, as the full path would answer. Health checks
+    max_in_flight requests at once (streams count until they end), 503; a route whose every model
+    of its kind is full (`Backends.load`: as many of its requests in flight as its replicas hold,
+    or its queue refused one within the last Retry-After), 429, as the full path would answer (with
+    several models of a kind, the model a request names is checked once its body is read:
+    service/ingress.py RayBackend). Health checks
     always pass."""
 
-    def __init__(self, app: ASGIApp, max_in_flight: int, retry_after: int, on_failure: FailureHook | None, backends: Backends) -> None:
+    def __init__(
+        self, app: ASGIApp, config: ServiceConfig, max_in_flight: int, retry_after: int, on_failure: FailureHook | None, backends: Backends
+    ) -> None:
         self.app, self.max_in_flight, self.retry_after, self.on_failure = app, max_in_flight, retry_after, on_failure
         self.load = backends.load
+        self.models_of_kind = {kind: [m.name for m in config.models_of(kind)] for kind in ("translator", "generator")}
         self.model_of_path = model_of_path(ROUTERS)
         self.in_flight = 0
 
@@ -133,8 +138,8 @@ class AdmissionMiddleware:
         if self.in_flight >= self.max_in_flight:
             await self.refuse(scope, receive, send, 503, "the server is busy; retry later")
             return
-        model = self.model_of_path.get(path)
-        if model is not None and self.load[model].full():
+        kind = self.model_of_path.get(path)
+        if kind is not None and self.models_of_kind[kind] and all(self.load[m].full() for m in self.models_of_kind[kind]):
             await self.refuse(scope, receive, send, 429, "the model's queue is full; retry later")
             return
         self.in_flight += 1
@@ -161,13 +166,13 @@ class ServiceAPI(FastAPI):
 def create_api(
     config: ServiceConfig, backends: Backends, on_failure: FailureHook | None = None, access_log: logging.Logger | None = None
 ) -> FastAPI:
-    """The HTTP application over two model backends (Ray handles in production, anything that
-    streams dicts in a test). Routes read `app.state.config` and `app.state.backends`. access_log
+    """The HTTP application over the models' backends (Ray handles in production, anything that
+    streams protocol items in a test). Routes read `app.state.config` and `app.state.backends`. access_log
     takes one line per request (default: the logger "service.api.access")."""
     api = ServiceAPI(
         title="Transformer serving",
         version="0.1.0",
-        description="English -> German translation and Shakespeare generation with continuous batching.",
+        description="Translation and text generation with continuous batching, for the models in the service's config.",
     )
     api.state.started = int(time.time())
     api.state.config = config
@@ -189,6 +194,7 @@ def create_api(
     # A refused request costs no parsing, and still gets its request id and access line.
     api.add_middleware(
         AdmissionMiddleware,
+        config=config,
         max_in_flight=config.ingress_max_in_flight,
         retry_after=config.retry_after_seconds,
         on_failure=on_failure,
@@ -215,9 +221,9 @@ def create_api(
         responses={503: {"model": Readiness, "description": "A model is not loaded and warmed yet"}},
     )
     async def readyz() -> dict[str, str] | JSONResponse:
-        """Both models loaded and warmed (their replicas answer)."""
+        """Every model loaded and warmed (their replicas answer)."""
         try:
-            ready = await backends.translator.ready() and await backends.generator.ready()
+            ready = all([await backend.ready() for backend in backends.models.values()])
         except Exception:
             log.exception("readiness check failed")
             ready = False

@@ -41,20 +41,20 @@ class ModelLoad:
         return at_limit or time.monotonic() < self.refused_until
 
 
-def _both_models() -> dict[str, ModelLoad]:
-    return {"translator": ModelLoad(), "generator": ModelLoad()}
-
-
 @dataclass
 class Backends:
-    translator: ModelBackend
-    generator: ModelBackend
-    # Model ("translator", "generator") -> its load; the admission middleware refuses the routes of
-    # a full model at once (service/api/app.py).
-    load: dict[str, ModelLoad] = field(default_factory=_both_models)
+    """The served models' backends and loads, by model name. The admission middleware refuses a
+    route at once when every model of its kind is full (service/api/app.py)."""
+
+    models: dict[str, ModelBackend]
+    load: dict[str, ModelLoad] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in self.models:
+            self.load.setdefault(name, ModelLoad())
 
 
-# A route's OpenAPI extension naming the model ("translator", "generator") its requests go to.
+# A route's OpenAPI extension naming the kind of model ("translator", "generator") its requests go to.
 MODEL_EXTENSION = "x-model"
 
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from service.api.backend import MODEL_EXTENSION
 from service.api.errors import APIError
 from service.api.language_id import detect_languages
+from service.api.routing import language_name, pairs, translator_for
 from service.api.schemas import (
     DetectedLanguage,
     DetectRequest,
@@ -21,13 +22,20 @@ from service.api.schemas import (
     LibreTranslateResponse,
     error_responses,
 )
-from service.api.translation import check_size, plain_text, refuse_foreign_text, translate_documents
+from service.api.translation import check_size, plain_text, translate_documents
 from service.config import ServiceConfig
 from service.protocol import GenerateRequest
 
 router = APIRouter()
 
-LANGUAGES = [{"code": "en", "name": "English", "targets": ["de"]}, {"code": "de", "name": "German", "targets": []}]
+
+def languages_served(config: ServiceConfig) -> list[dict[str, Any]]:
+    """LibreTranslate's list: every language a translator reads or writes, with the targets it has."""
+    targets: dict[str, list[str]] = {}
+    for source, target in pairs(config):
+        targets.setdefault(source, []).append(target)
+        targets.setdefault(target, [])
+    return [{"code": code, "name": language_name(code), "targets": to} for code, to in targets.items()]
 
 
 def libretranslate_body(schema: type[BaseModel]) -> dict[str, Any]:
@@ -90,16 +98,13 @@ async def libretranslate(request: Request) -> dict[str, Any]:
     """LibreTranslate's translate: text or HTML, one or a list; `alternatives` are the beam's n-best."""
     config: ServiceConfig = request.app.state.config
     body = await read_libretranslate_body(request, LibreTranslateRequest)
-    if body.source not in ("en", "auto") or body.target != "de":
-        raise APIError(400, f"{body.source} -> {body.target} is not supported; this server translates en -> de")
     texts = body.q if isinstance(body.q, list) else [body.q]
     check_size(texts, config, "q")
     plain = [plain_text(t, body.format) for t in texts] if body.source == "auto" else []
-    if plain:
-        refuse_foreign_text(plain, "source")
+    model, detected = translator_for(config, None, body.source, body.target, "\n".join(plain), ("source", "target"))
     beam_size = max(config.default_beam_size, body.alternatives + 1)
     template = GenerateRequest(text="", temperature=0.0, beam_size=beam_size, n_best=body.alternatives + 1)
-    results = await translate_documents(request.app.state.backends, config, texts, body.format, template, "q")
+    results = await translate_documents(request.app.state.backends.models[model.name], config, texts, body.format, template, "q")
     answer: dict[str, Any]
     if isinstance(body.q, list):
         answer = {"translatedText": [r.text for r in results]}
@@ -109,9 +114,10 @@ async def libretranslate(request: Request) -> dict[str, Any]:
         answer = {"translatedText": results[0].text}
         if body.alternatives:
             answer["alternatives"] = results[0].alternatives
-    if plain:
-        detected = [detect_languages(t, top=1)[0] for t in plain]
-        shapes = [{"confidence": round(d.confidence * 100, 1), "language": d.language} for d in detected]
+    if detected is not None:
+        ranked = [detect_languages(t) for t in plain]
+        confidence = [next((d.confidence for d in r if d.language == detected), 0.0) for r in ranked]
+        shapes = [{"confidence": round(c * 100, 1), "language": detected} for c in confidence]
         answer["detectedLanguage"] = shapes if isinstance(body.q, list) else shapes[0]
     return answer
 
@@ -135,17 +141,18 @@ async def detect(request: Request) -> list[dict[str, Any]]:
 
 
 @router.get("/languages", tags=["libretranslate"], response_model=list[Language], responses=error_responses(LibreTranslateError, 503))
-async def languages() -> list[dict[str, Any]]:
-    return LANGUAGES
+async def languages(request: Request) -> list[dict[str, Any]]:
+    return languages_served(request.app.state.config)
 
 
 @router.get(
     "/frontend/settings", tags=["libretranslate"], response_model=FrontendSettings, responses=error_responses(LibreTranslateError, 503)
 )
 async def frontend_settings(request: Request) -> dict[str, Any]:
-    """What LibreTranslate's clients read before translating: limits, the language pair and
-    whether an API key is required."""
+    """What LibreTranslate's clients read before translating: limits, the default language pair
+    (the first translator's) and whether an API key is required."""
     config: ServiceConfig = request.app.state.config
+    source, target = pairs(config)[0] if pairs(config) else ("auto", "auto")
     return {
         "charLimit": config.max_translate_chars,
         "frontendTimeout": 500,
@@ -154,5 +161,5 @@ async def frontend_settings(request: Request) -> dict[str, Any]:
         "suggestions": False,
         "filesTranslation": False,
         "supportedFilesFormat": [],
-        "language": {"source": {"code": "en", "name": "English"}, "target": {"code": "de", "name": "German"}},
+        "language": {"source": {"code": source, "name": language_name(source)}, "target": {"code": target, "name": language_name(target)}},
     }

@@ -1,4 +1,4 @@
-"""OpenAI-compatible completions for the generator: `POST /v1/completions`, `GET /v1/models`."""
+"""OpenAI-compatible completions for the generators: `POST /v1/completions`, `GET /v1/models`."""
 
 import time
 import uuid
@@ -10,6 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from service.api.backend import MODEL_EXTENSION, Backends, final_chunk, open_stream
 from service.api.errors import APIError
+from service.api.routing import model_by_name
 from service.api.schemas import (
     MODEL_ERRORS,
     CompletionChunk,
@@ -34,17 +35,22 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {
         "object": "list",
         "data": [
-            {"id": m.name, "object": "model", "created": created, "owned_by": "transformer-serving"}
-            for m in (config.generator, config.translator)
+            {
+                "id": m.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "transformer-serving",
+                "kind": m.kind,
+                "source_lang": m.source_lang,
+                "target_lang": m.target_lang,
+            }
+            for m in config.models
         ],
     }
 
 
 def generate_request(body: CompletionRequest, config: ServiceConfig) -> GenerateRequest:
     """The completion as a model request; a missing max_tokens is the engine's to decide."""
-    if body.model is not None and body.model != config.generator.name:
-        hint = " (translation is served at /v1/translate)" if body.model == config.translator.name else ""
-        raise APIError(404, f"The model `{body.model}` does not exist{hint}.", "model")
     unsupported = body.unsupported_field()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server; leave it at its default", unsupported)
@@ -79,8 +85,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     """OpenAI completions; `stream: true` answers with server-sent events in OpenAI's format."""
     config: ServiceConfig = request.app.state.config
     backends: Backends = request.app.state.backends
-    stream = await open_stream(backends.generator, generate_request(body, config), config.retry_after_seconds)
-    model = config.generator.name
+    model = model_by_name(config, "generator", body.model).name
+    stream = await open_stream(backends.models[model], generate_request(body, config), config.retry_after_seconds)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
     if body.stream:
         options = body.stream_options

@@ -9,6 +9,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 
 from service.api.backend import MODEL_EXTENSION, Backends, attention_map
 from service.api.errors import APIError
+from service.api.routing import model_by_name
 from service.api.schemas import ERROR_DESCRIPTIONS, MODEL_ERRORS, AttentionRequestBody, LibreTranslateError, SelfAttention, inlined_schema
 from service.api.translation_routes import attention_json
 from service.config import ServiceConfig
@@ -40,15 +41,13 @@ async def attention(body: AttentionRequestBody, request: Request) -> dict[str, A
     Translation attention comes with `/v1/translate` and `return_attention: true`."""
     config: ServiceConfig = request.app.state.config
     backends: Backends = request.app.state.backends
-    if body.model is not None and body.model != config.generator.name:
-        hint = " (for the translator, use /v1/translate with return_attention)" if body.model == config.translator.name else ""
-        raise APIError(404, f"The model `{body.model}` does not exist{hint}.", "model")
+    model = model_by_name(config, "generator", body.model).name
     if len(body.text) > config.max_prompt_chars:
         raise APIError(400, f"text has {len(body.text)} characters; the limit is {config.max_prompt_chars}", "text")
-    result = await attention_map(backends.generator, AttentionRequest(body.text), config.retry_after_seconds)
+    result = await attention_map(backends.models[model], AttentionRequest(body.text), config.retry_after_seconds)
     answer = attention_json(result)
     return {
-        "model": config.generator.name,
+        "model": model,
         "tokens": answer.pop("source_tokens"),
         **{k: v for k, v in answer.items() if k != "target_tokens"},
     }

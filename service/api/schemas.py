@@ -106,8 +106,10 @@ class TranslateRequest(StrictModel):
         json_schema_extra={"examples": [{"text": "A dog runs.", "alternatives": 1}, {"text": "A dog. A cat.", "stream": True}]}
     )
     text: Text | list[Text]
-    source_lang: Literal["en", "auto"] = "en"  # auto: text detected as another language is a 400
-    target_lang: Literal["de"] = "de"
+    # The translator by its languages (when `model` is not given): none sent, the first served;
+    # "auto" detects the source among the languages served (text in another one is a 400).
+    source_lang: StrictStr | None = None
+    target_lang: StrictStr | None = None
     format: Literal["text", "html"] = "text"
     model: StrictStr | None = None
     beam_size: StrictInt | None = Field(None, ge=1, le=8)
@@ -136,7 +138,7 @@ class LibreTranslateRequest(StrictModel):
 
     q: Text | list[Text]
     source: StrictStr = "auto"
-    target: StrictStr = "de"
+    target: StrictStr | None = None  # none: the first translator's target
     format: Literal["text", "html"] = "text"
     alternatives: int = Field(0, ge=0, le=7)
     api_key: StrictStr | None = None
@@ -200,6 +202,10 @@ class ModelCard(ResponseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    # Beyond OpenAI's card (as vLLM adds max_model_len): what the model does, and a translator's languages.
+    kind: Literal["translator", "generator"]
+    source_lang: str | None
+    target_lang: str | None
 
 
 class ModelList(ResponseModel):

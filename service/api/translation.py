@@ -11,10 +11,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from service.api.backend import Backends, final_chunk, open_stream
+from service.api.backend import ModelBackend, final_chunk, open_stream
 from service.api.errors import APIError
 from service.api.html_text import HtmlDocument
-from service.api.language_id import LANGUAGE_NAMES, foreign_language
 from service.api.sentences import Span, join_translations, split_sentences
 from service.config import ServiceConfig
 from service.protocol import Chunk, GenerateRequest
@@ -86,26 +85,13 @@ def plain_text(document: str, text_format: TextFormat) -> str:
     return document if text_format == "text" else "\n".join(HtmlDocument.parse(document).block_texts())
 
 
-def refuse_foreign_text(texts: list[str], param: str) -> None:
-    """source "auto": text in another language than English is a 400 naming that language."""
-    detected = foreign_language("\n".join(texts))
-    if detected is not None:
-        name = LANGUAGE_NAMES[detected.language]
-        raise APIError(
-            400,
-            f"the text looks {name} ({detected.language}, confidence {detected.confidence:.0%}); this server translates "
-            "English to German only (send the source language as en to translate it anyway)",
-            param,
-        )
-
-
 async def open_sentences(
-    backends: Backends, config: ServiceConfig, sentences: list[str], template: GenerateRequest
+    backend: ModelBackend, config: ServiceConfig, sentences: list[str], template: GenerateRequest
 ) -> list[AsyncGenerator[Chunk, None]]:
     """One admitted stream per sentence, all admitted before any result is awaited; if one is
     refused, the others are closed (cancelled) and the refusal is raised."""
     streams = await asyncio.gather(
-        *(open_stream(backends.translator, replace(template, text=s), config.retry_after_seconds) for s in sentences),
+        *(open_stream(backend, replace(template, text=s), config.retry_after_seconds) for s in sentences),
         return_exceptions=True,
     )
     failure = next((s for s in streams if isinstance(s, BaseException)), None)
@@ -118,7 +104,7 @@ async def open_sentences(
 
 
 async def translate_texts(
-    backends: Backends, config: ServiceConfig, texts: list[str], spans: list[list[Span]], template: GenerateRequest
+    backend: ModelBackend, config: ServiceConfig, texts: list[str], spans: list[list[Span]], template: GenerateRequest
 ) -> list[TextTranslation]:
     """Each text translated sentence by sentence: up to `sentences_in_flight` sentences of the
     request in the engine at once (a long text must not fill a replica's queue by itself). The
@@ -128,7 +114,7 @@ async def translate_texts(
 
     async def translate_one(sentence: str) -> Chunk:
         async with window:
-            stream = await open_stream(backends.translator, replace(template, text=sentence), config.retry_after_seconds)
+            stream = await open_stream(backend, replace(template, text=sentence), config.retry_after_seconds)
             return await final_chunk(stream, "internal error during translation", config.retry_after_seconds)
 
     tasks = [asyncio.ensure_future(translate_one(s)) for s in sentences]
@@ -149,16 +135,16 @@ async def translate_texts(
 
 
 async def translate_documents(
-    backends: Backends, config: ServiceConfig, documents: list[str], text_format: TextFormat, template: GenerateRequest, param: str
+    backend: ModelBackend, config: ServiceConfig, documents: list[str], text_format: TextFormat, template: GenerateRequest, param: str
 ) -> list[TextTranslation]:
     """Texts, or HTML documents whose text is translated and markup kept. Limits are checked on
     the documents as sent (items, characters: `check_size`, called first) and on what is
     translated (sentences)."""
     if text_format == "text":
-        return await translate_texts(backends, config, documents, split_texts(documents, config, param), template)
+        return await translate_texts(backend, config, documents, split_texts(documents, config, param), template)
     parsed = [HtmlDocument.parse(d) for d in documents]
     blocks = [b for doc in parsed for b in doc.block_texts()]
-    translated = iter(await translate_texts(backends, config, blocks, split_texts(blocks, config, param), template))
+    translated = iter(await translate_texts(backend, config, blocks, split_texts(blocks, config, param), template))
     results = []
     for doc in parsed:
         done = [next(translated) for _ in doc.blocks]

@@ -1,4 +1,5 @@
-"""`POST /v1/translate`: English -> German, sentence by sentence (service/api/translation.py)."""
+"""`POST /v1/translate`: sentence by sentence (service/api/translation.py), with the translator the
+request names (`model`) or whose languages it asks for."""
 
 import asyncio
 from collections import deque
@@ -9,8 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.backend import MODEL_EXTENSION, Backends, attention_map, open_stream
+from service.api.backend import MODEL_EXTENSION, Backends, ModelBackend, attention_map, open_stream
 from service.api.errors import APIError
+from service.api.routing import translator_for
 from service.api.schemas import MODEL_ERRORS, TranslateChunk, TranslateRequest, TranslateResponse, event_stream
 from service.api.sentences import Span
 from service.api.streams import sse, sse_error
@@ -19,7 +21,6 @@ from service.api.translation import (
     check_size,
     open_sentences,
     plain_text,
-    refuse_foreign_text,
     split_texts,
     translate_documents,
     usage,
@@ -39,14 +40,13 @@ router = APIRouter()
     openapi_extra={MODEL_EXTENSION: "translator"},
 )
 async def translate(body: TranslateRequest, request: Request) -> Any:
-    """English -> German, sentence by sentence. Beam search with n-best `alternatives`;
+    """Translation sentence by sentence, by `model` or by `source_lang` / `target_lang` (`"auto"`:
+    the source detected among the languages served). Beam search with n-best `alternatives`;
     `format: "html"` translates the text of HTML documents and keeps their markup; `stream: true`
     (greedy, one text) answers with server-sent events, sentence after sentence in order."""
     config: ServiceConfig = request.app.state.config
     backends: Backends = request.app.state.backends
     texts = body.text if isinstance(body.text, list) else [body.text]
-    if body.model is not None and body.model != config.translator.name:
-        raise APIError(404, f"The model `{body.model}` does not exist.", "model")
     beam_size = body.beam_size or (1 if body.stream else max(config.default_beam_size, body.alternatives + 1))
     if body.alternatives >= beam_size:
         raise APIError(400, f"alternatives must be below beam_size ({beam_size})", "alternatives")
@@ -64,26 +64,27 @@ async def translate(body: TranslateRequest, request: Request) -> Any:
         stream=body.stream,
     )
     check_size(texts, config, "text")
-    if body.source_lang == "auto":
-        refuse_foreign_text([plain_text(t, body.format) for t in texts], "source_lang")
+    detect_text = "\n".join(plain_text(t, body.format) for t in texts) if body.source_lang == "auto" else ""
+    model, _ = translator_for(config, body.model, body.source_lang, body.target_lang, detect_text, ("source_lang", "target_lang"))
+    backend = backends.models[model.name]
     if body.stream:
         spans = split_texts(texts, config, "text")[0]
         sentences = [texts[0][s.start : s.end] for s in spans]
 
         def open_sentence(sentence: str) -> Awaitable[AsyncGenerator[Chunk, None]]:
-            return open_stream(backends.translator, replace(template, text=sentence), config.retry_after_seconds)
+            return open_stream(backend, replace(template, text=sentence), config.retry_after_seconds)
 
-        first = await open_sentences(backends, config, sentences[: config.sentences_in_flight], template)
+        first = await open_sentences(backend, config, sentences[: config.sentences_in_flight], template)
         return StreamingResponse(stream_sentences(texts[0], spans, first, open_sentence), media_type="text/event-stream")
     if body.return_attention:
         count = sum(len(spans) for spans in split_texts(texts, config, "text"))
         if count > config.max_attention_sentences:
             limit = config.max_attention_sentences
             raise APIError(400, f"return_attention is limited to {limit} sentences per request; this has {count}", "return_attention")
-    results = await translate_documents(backends, config, texts, body.format, template, "text")
-    maps = await attention_maps(backends, config, texts, results) if body.return_attention else {}
+    results = await translate_documents(backend, config, texts, body.format, template, "text")
+    maps = await attention_maps(backend, config, texts, results) if body.return_attention else {}
     return {
-        "model": config.translator.name,
+        "model": model.name,
         "translations": [
             {
                 "text": r.text,
@@ -107,7 +108,7 @@ async def translate(body: TranslateRequest, request: Request) -> Any:
 
 
 async def attention_maps(
-    backends: Backends, config: ServiceConfig, texts: list[str], results: list[TextTranslation]
+    backend: ModelBackend, config: ServiceConfig, texts: list[str], results: list[TextTranslation]
 ) -> dict[tuple[int, int], dict[str, Any]]:
     """Cross-attention of each sentence's best translation, by (text, sentence) index."""
     keys, requests = [], []
@@ -115,7 +116,7 @@ async def attention_maps(
         for j, s in enumerate(result.sentences):
             keys.append((i, j))
             requests.append(AttentionRequest(text[s.span.start : s.span.end], s.result.text))
-    maps = await asyncio.gather(*(attention_map(backends.translator, r, config.retry_after_seconds) for r in requests))
+    maps = await asyncio.gather(*(attention_map(backend, r, config.retry_after_seconds) for r in requests))
     return {key: attention_json(m) for key, m in zip(keys, maps, strict=True)}
 
 

@@ -9,9 +9,9 @@ from collections.abc import AsyncGenerator
 import httpx
 
 from service.api.app import create_api
-from service.api.backend import Backends
 from service.config import ServiceConfig
 from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
+from tests.helpers import backends_for
 
 
 class HeldBackend:
@@ -35,7 +35,7 @@ class HeldBackend:
 
 def test_past_the_in_flight_limit_the_ingress_refuses_at_once() -> None:
     backend = HeldBackend()
-    api = create_api(ServiceConfig(ingress_max_in_flight=2), Backends(backend, backend))
+    api = create_api(ServiceConfig(ingress_max_in_flight=2), backends_for(ServiceConfig(), backend))
 
     async def main() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://ingress") as http:
@@ -62,14 +62,14 @@ def test_past_the_in_flight_limit_the_ingress_refuses_at_once() -> None:
 
 def test_a_saturated_model_is_refused_before_its_request_is_read() -> None:
     backend = HeldBackend()
-    backends = Backends(backend, backend)
+    backends = backends_for(ServiceConfig(), backend)
     api = create_api(ServiceConfig(), backends)
-    backends.load["generator"].refused_until = time.monotonic() + 60  # as RayBackend marks it on Serve's backpressure
+    backends.load[ServiceConfig().generator.name].refused_until = time.monotonic() + 60  # as RayBackend marks it on Serve's backpressure
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://ingress") as http:
             refused = await http.post("/v1/completions", content=b"not even JSON")
-            backends.load["generator"].refused_until = time.monotonic() - 1  # its Retry-After has passed
+            backends.load[ServiceConfig().generator.name].refused_until = time.monotonic() - 1  # its Retry-After has passed
             backend.release.set()
             admitted = await http.post("/v1/completions", json={"prompt": "x"})
             return refused, admitted
@@ -83,9 +83,10 @@ def test_a_saturated_model_is_refused_before_its_request_is_read() -> None:
 def test_a_saturated_translator_refuses_its_routes_only() -> None:
     backend = HeldBackend()
     backend.release.set()
-    backends = Backends(backend, backend)
+    backends = backends_for(ServiceConfig(), backend)
     api = create_api(ServiceConfig(), backends)
-    backends.load["translator"].refused_until = time.monotonic() + 60
+    for translator in ServiceConfig().models_of("translator"):
+        backends.load[translator.name].refused_until = time.monotonic() + 60
 
     async def main() -> dict[str, int]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://ingress") as http:
@@ -102,9 +103,9 @@ def test_a_saturated_translator_refuses_its_routes_only() -> None:
 def test_a_model_with_all_it_holds_in_flight_is_refused_before_its_request_is_read() -> None:
     backend = HeldBackend()
     backend.release.set()
-    backends = Backends(backend, backend)
+    backends = backends_for(ServiceConfig(), backend)
     api = create_api(ServiceConfig(), backends)
-    generator = backends.load["generator"]
+    generator = backends.load[ServiceConfig().generator.name]
     generator.max_in_flight, generator.in_flight = 2, 2  # as RayBackend counts its streams
 
     async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response]:

@@ -12,10 +12,10 @@ import httpx
 from httpx_sse import aconnect_sse
 
 from service.api.app import create_api
-from service.api.backend import Backends
 from service.config import ServiceConfig
 from service.process import process_stats
 from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
+from tests.helpers import backends_for
 
 
 class WordsBackend:
@@ -60,7 +60,7 @@ async def one_request(http: httpx.AsyncClient, i: int) -> int:
 
 def test_resident_memory_is_flat_over_12000_requests() -> None:
     backend = WordsBackend()
-    api = create_api(ServiceConfig(), Backends(backend, backend))
+    api = create_api(ServiceConfig(), backends_for(ServiceConfig(), backend))
 
     async def main() -> tuple[list[float], set[int]]:
         samples, statuses = [], set()

@@ -13,9 +13,10 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 
 from service.api.app import HEALTH_PATHS, ROUTERS, create_api
 from service.api.auth import BODY_KEY_PATHS, is_public
-from service.api.backend import MODEL_EXTENSION, Backends, model_of_path
+from service.api.backend import MODEL_EXTENSION, model_of_path
 from service.config import ServiceConfig
 from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
+from tests.helpers import backends_for
 
 BROKEN = "break"  # a text whose request fails in the engine after it started
 
@@ -38,7 +39,7 @@ class FakeModel:
         return True
 
 
-BACKENDS = Backends(FakeModel(), FakeModel())
+BACKENDS = backends_for(ServiceConfig(), FakeModel())
 API = create_api(ServiceConfig(), BACKENDS)
 OPERATIONS = [
     (method.upper(), path, operation) for path, methods in API.openapi()["paths"].items() for method, operation in methods.items()

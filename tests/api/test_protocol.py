@@ -7,9 +7,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.api.app import create_api
-from service.api.backend import STATUS_OF_REFUSAL, Backends
+from service.api.backend import STATUS_OF_REFUSAL
 from service.config import ServiceConfig
 from service.protocol import Chunk, GenerateRequest, Refusal, RefusalKind
+from tests.helpers import backends_for
 
 DOCUMENTED = {"invalid": 400, "overloaded": 429, "unavailable": 503}  # README, "HTTP API"
 
@@ -32,7 +33,7 @@ class ScriptedBackend:
 
 def client(items: list[Chunk | Refusal]) -> tuple[TestClient, ScriptedBackend]:
     backend = ScriptedBackend(items)
-    return TestClient(create_api(ServiceConfig(), Backends(backend, backend))), backend
+    return TestClient(create_api(ServiceConfig(), backends_for(ServiceConfig(), backend))), backend
 
 
 def test_every_refusal_kind_has_a_documented_status() -> None:

@@ -14,10 +14,11 @@ from httpx_sse import aconnect_sse
 from ray.exceptions import ActorDiedError
 
 from service.api.app import create_api
-from service.api.backend import Backends, ModelLoad
+from service.api.backend import ModelLoad
 from service.config import ServiceConfig
 from service.ingress import RayBackend, RetryPolicy
 from service.protocol import Chunk, GenerateRequest
+from tests.helpers import backends_for
 
 WORDS = ["To", " be", " or", " not", " to", " be"]
 
@@ -65,7 +66,7 @@ def serve(deaths: list[int | None], body: dict[str, Any]) -> tuple[list[str] | h
     failures and retry outcomes counted."""
     handle, failures, outcomes = FakeHandle(deaths), [], []
     backend: Any = RayBackend(handle, ModelLoad(), 1.0, failures.append, outcomes.append, RetryPolicy(max_tries=3))  # type: ignore[arg-type]
-    api = create_api(ServiceConfig(), Backends(backend, backend))
+    api = create_api(ServiceConfig(), backends_for(ServiceConfig(), backend))
 
     async def main() -> list[str] | httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://ingress") as http:

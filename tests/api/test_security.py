@@ -18,9 +18,9 @@ from pydantic import ValidationError
 from service.api import auth
 from service.api.app import create_api
 from service.api.auth import BODY_KEY_PATHS, is_public
-from service.api.backend import Backends
 from service.config import ServiceConfig
 from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
+from tests.helpers import backends_for
 
 KEYS = ["right-key", "second-key"]
 WRONG = "wrong-key-3f9a"
@@ -48,7 +48,7 @@ class RecordingBackend:
 
 def api(config: ServiceConfig) -> tuple[TestClient, RecordingBackend, list[tuple[str, str]]]:
     backend, failures = RecordingBackend(), []
-    app = create_api(config, Backends(backend, backend), lambda path, reason: failures.append((path, reason)))
+    app = create_api(config, backends_for(config, backend), lambda path, reason: failures.append((path, reason)))
     return TestClient(app), backend, failures
 
 
@@ -267,7 +267,9 @@ def test_the_playground_sends_the_key_it_is_given() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_api(ServiceConfig(api_keys=KEYS), Backends(backend, backend)), "127.0.0.1", port))
+    server = uvicorn.Server(
+        uvicorn.Config(create_api(ServiceConfig(api_keys=KEYS), backends_for(ServiceConfig(), backend)), "127.0.0.1", port)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

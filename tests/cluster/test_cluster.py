@@ -24,8 +24,10 @@ import yaml
 from httpx_sse import connect_sse
 
 from loadtests.cluster import (
+    GENERATOR,
     MODEL_DEPLOYMENTS,
     ROOT,
+    TRANSLATOR,
     LocalCluster,
     Replica,
     ReplicaCheck,
@@ -69,7 +71,7 @@ def deployed() -> Iterator[Deployed]:
                 # engine is then stalled on purpose, so its heartbeat is allowed as long.
                 held = {"generator": {"fault_injection": True, "heartbeat_timeout_s": 600}}
                 cluster.deploy(write_config(cluster_config(port, models=held), directory / "v1.json"))
-                cluster.wait_for(ReplicaCheck(running={"Translator": 1, "Generator": 1}))
+                cluster.wait_for(ReplicaCheck(running={TRANSLATOR: 1, GENERATOR: 1}))
                 yield Deployed(cluster, f"http://127.0.0.1:{port}", port, monitor and monitor.url, directory)
             finally:
                 if monitor is not None:
@@ -113,20 +115,20 @@ def test_the_app_serves_from_both_nodes_of_a_token_authenticated_cluster(deploye
 
 def test_the_generator_scales_out_under_load_and_back_in_after_with_every_request_answered(deployed: Deployed) -> None:
     cluster = deployed.cluster
-    cluster.wait_for(ReplicaCheck(running={"Translator": 1, "Generator": 1}))
+    cluster.wait_for(ReplicaCheck(running={TRANSLATOR: 1, GENERATOR: 1}))
     timeline = asyncio.run(run_scenario(cluster, deployed.url, autoscaling_scenario()))
     RUNS["autoscaling"] = timeline
     numbers = summary(timeline)
     print("autoscaling:", numbers)
     assert timeline.failures() == [], timeline.failures()[:5]
     assert numbers["statuses"] == {"200": numbers["requests"]}
-    assert timeline.running("Generator")[0][1] == 1  # before the load
-    scale_out = timeline.first("Generator", 2)
+    assert timeline.running(GENERATOR)[0][1] == 1  # before the load
+    scale_out = timeline.first(GENERATOR, 2)
     assert scale_out is not None and timeline.load_end is not None and timeline.load_start < scale_out < timeline.load_end, numbers
     assert timeline.settled is not None, f"the generator did not get back to one replica: {numbers}"
-    assert timeline.running("Generator")[-1][1] == 1 and timeline.running("Translator")[-1][1] == 1
+    assert timeline.running(GENERATOR)[-1][1] == 1 and timeline.running(TRANSLATOR)[-1][1] == 1
     # The translator's load (two clients) stayed below its target: it did not scale with the generator.
-    assert max(n for _, n in timeline.running("Translator")) == 1
+    assert max(n for _, n in timeline.running(TRANSLATOR)) == 1
 
 
 def query_range(prometheus: str, expr: str, start: float, end: float) -> list[dict[str, Any]]:
@@ -138,7 +140,7 @@ def query_range(prometheus: str, expr: str, start: float, end: float) -> list[di
 
 def panel_exprs(title: str) -> list[str]:
     (panel,) = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["title"] == title]
-    return [t["expr"] for t in panel["targets"]]
+    return [t["expr"].replace("$model", ".*") for t in panel["targets"]]  # Grafana's "All"
 
 
 def test_the_replicas_panel_shows_each_generator_replica_come_and_go(deployed: Deployed) -> None:
@@ -151,7 +153,7 @@ def test_the_replicas_panel_shows_each_generator_replica_come_and_go(deployed: D
     per_replica, count = panel_exprs("Replicas over time")
 
     def generator_count(end: float) -> list[int]:
-        (generator,) = [s for s in query_range(deployed.prometheus, count, start, end) if s["metric"]["deployment"] == "Generator"]
+        (generator,) = [s for s in query_range(deployed.prometheus, count, start, end) if s["metric"]["deployment"] == GENERATOR]
         return [int(float(v)) for _, v in generator["values"]]
 
     # Ray's endpoints show a replica's end at their next report (every 10 s): wait for it, bounded.
@@ -159,7 +161,7 @@ def test_the_replicas_panel_shows_each_generator_replica_come_and_go(deployed: D
     while (values := generator_count(end := time.time()))[-1] != 1 and time.monotonic() < deadline:
         time.sleep(2)
     assert values[0] == 1 and max(values) >= 2 and values[-1] == 1, values
-    series = [s for s in query_range(deployed.prometheus, per_replica, start, end) if s["metric"]["deployment"] == "Generator"]
+    series = [s for s in query_range(deployed.prometheus, per_replica, start, end) if s["metric"]["deployment"] == GENERATOR]
     assert len({s["metric"]["replica"] for s in series}) >= 2, series  # one series per replica
     # Both generator replicas answered requests (their own counters, per replica).
     successes = 'ray_serving_request_success_total{model="transformer-shakespeare"}'
@@ -173,7 +175,7 @@ def rollout(deployed: Deployed, deploy: Callable[[], object], load: Load, after_
     only the rollout changes replicas); the load goes on until no old replica is left, each
     deployment has a new one running, and `after_rollout` more requests are answered."""
     cluster = deployed.cluster
-    old = frozenset(r.replica_id for r in cluster.wait_for(ReplicaCheck(running={"Translator": 1, "Generator": 1})))
+    old = frozenset(r.replica_id for r in cluster.wait_for(ReplicaCheck(running={TRANSLATOR: 1, GENERATOR: 1})))
 
     def replaced(sample: list[Replica]) -> bool:
         running = {r.deployment for r in sample if r.state == "RUNNING"}
@@ -196,7 +198,7 @@ GENERATOR_CONTROL = """
 import sys, time, ray
 from ray import serve
 ray.init(address=sys.argv[1], logging_level="error")
-handle = serve.get_deployment_handle("Generator", app_name="transformers")
+handle = serve.get_deployment_handle("transformer-shakespeare", app_name="transformers")
 if sys.argv[3] == "arm":
     print(" ".join(sorted({handle.inject_fault.remote("stall", 1, None, sys.argv[2]).result() for _ in range(20)})))
 else:
@@ -232,7 +234,7 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
     only then is the file written and the stream answered."""
     cluster = deployed.cluster
     release = deployed.directory / "release-old-generator"
-    running = {r.replica_id for r in replicas(cluster) if r.deployment == "Generator" and r.state == "RUNNING"}
+    running = {r.replica_id for r in replicas(cluster) if r.deployment == GENERATOR and r.state == "RUNNING"}
     assert set(control_generator(cluster, release, "arm")) == running  # every generator replica held
     body = {"model": "transformer-shakespeare", "prompt": "ROMEO:\n", "max_tokens": 48, "temperature": 0, "stream": True}
     held: dict[str, Any] = {}
@@ -246,7 +248,7 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
         until the held replicas have drained, that is until the release.)"""
         deadline = time.monotonic() + 600  # a bound on a broken cluster
         while time.monotonic() < deadline:
-            generators = [r for r in replicas(cluster) if r.deployment == "Generator"]
+            generators = [r for r in replicas(cluster) if r.deployment == GENERATOR]
             new_running = any(r.state == "RUNNING" and r.replica_id not in running for r in generators)
             if new_running and all(r.state != "RUNNING" for r in generators if r.replica_id in running):
                 held["released"] = time.monotonic()

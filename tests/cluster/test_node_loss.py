@@ -16,7 +16,17 @@ from typing import Any
 import psutil
 import pytest
 
-from loadtests.cluster import LocalCluster, Replica, ReplicaCheck, free_port, local_cluster, replicas_of, write_config
+from loadtests.cluster import (
+    GENERATOR,
+    TRANSLATOR,
+    LocalCluster,
+    Replica,
+    ReplicaCheck,
+    free_port,
+    local_cluster,
+    replicas_of,
+    write_config,
+)
 from loadtests.scaling import Load, Result, Scenario, Timeline, cluster_config, run_scenario
 from service.metrics import RETRY_OUTCOMES
 from tests.helpers import assert_serves, scrape
@@ -40,7 +50,7 @@ def cluster() -> Iterator[tuple[LocalCluster, str]]:
                 deployment.pop("autoscaling_config")
                 deployment["num_replicas"] = 2
             cluster.deploy(write_config(config, directory / "config.json"))
-            cluster.wait_for(ReplicaCheck(running={"Translator": 2, "Generator": 2}))
+            cluster.wait_for(ReplicaCheck(running={TRANSLATOR: 2, GENERATOR: 2}))
             yield cluster, f"http://127.0.0.1:{port}"
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -80,7 +90,7 @@ def test_losing_the_worker_node_under_load_loses_no_request(cluster: tuple[Local
     assert app is not None
     placed: list[Replica] = replicas_of(app)
     (head,) = {r.node_id for r in placed if r.deployment == "Ingress"}
-    assert any(r.node_id != head for r in placed if r.deployment in ("Translator", "Generator")), placed  # something to lose
+    assert any(r.node_id != head for r in placed if r.deployment in (TRANSLATOR, GENERATOR)), placed  # something to lose
     raylet = worker_raylet(ray_cluster)
 
     def served_after_the_loss(timeline: Timeline) -> bool:

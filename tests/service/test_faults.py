@@ -22,22 +22,24 @@ FAST_HEALTH = {"fault_injection": True, "heartbeat_timeout_s": 3.0}
 FAST_DEPLOYMENT = {"health_check_period_s": 1.0, "graceful_shutdown_timeout_s": 1.0, "ray_actor_options": {"num_cpus": 0.05}}
 # The session's models under other names (their metrics stay apart), with fast health checks.
 FAULT_CONFIG = ServiceConfig(
-    translator=TEST_CONFIG.translator.model_copy(
-        update={
-            "name": "faulty-en-de",
-            "engine": EngineConfig(n_slots=8, max_waiting=8, queue_timeout_s=1.0, request_timeout_s=2.0),
-            "deployment": TEST_CONFIG.translator.deployment | FAST_DEPLOYMENT,
-            **FAST_HEALTH,
-        }
-    ),
-    generator=TEST_CONFIG.generator.model_copy(
-        update={
-            "name": "faulty-shakespeare",
-            "engine": EngineConfig(n_slots=8, max_waiting=16, default_max_tokens=16),
-            "deployment": TEST_CONFIG.generator.deployment | FAST_DEPLOYMENT,
-            "stream_interval_ms": 0,
-            **FAST_HEALTH,
-        }
+    models=(
+        TEST_CONFIG.translator.model_copy(
+            update={
+                "name": "faulty-en-de",
+                "engine": EngineConfig(n_slots=8, max_waiting=8, queue_timeout_s=1.0, request_timeout_s=2.0),
+                "deployment": TEST_CONFIG.translator.deployment | FAST_DEPLOYMENT,
+                **FAST_HEALTH,
+            }
+        ),
+        TEST_CONFIG.generator.model_copy(
+            update={
+                "name": "faulty-shakespeare",
+                "engine": EngineConfig(n_slots=8, max_waiting=16, default_max_tokens=16),
+                "deployment": TEST_CONFIG.generator.deployment | FAST_DEPLOYMENT,
+                "stream_interval_ms": 0,
+                **FAST_HEALTH,
+            }
+        ),
     ),
 )
 
@@ -80,20 +82,20 @@ def test_a_failing_step_fails_only_its_requests(faults_url: str, metrics_url: st
     body = {"text": "A dog runs on the beach.", "beam_size": 1}
     expected = httpx.post(f"{faults_url}/v1/translate", json=body, timeout=60).json()["translations"][0]["text"]
     before = failures(metrics_url, "faulty-en-de", "internal")
-    handle("Translator").inject_fault.remote("error", 1).result()
+    handle(FAULT_CONFIG.translator.name).inject_fault.remote("error", 1).result()
     failed = httpx.post(f"{faults_url}/v1/translate", json=body, timeout=60)
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "internal_error"
     after = httpx.post(f"{faults_url}/v1/translate", json=body, timeout=60)  # the loop goes on
     assert after.status_code == 200 and after.json()["translations"][0]["text"] == expected
     wait_until(lambda: failures(metrics_url, "faulty-en-de", "internal") > before, "the failure counted")
-    (stats,) = replica_stats("Translator", 3).values()
+    (stats,) = replica_stats(FAULT_CONFIG.translator.name, 3).values()
     assert stats["running"] == 0 and stats["free_slots"] == 8
 
 
 def test_deadlines_end_requests_with_a_clear_status_and_free_their_slots(faults_url: str) -> None:
     """A 3 s stall of the engine loop: the request it held passes its 2 s total deadline, the one
     that arrived meanwhile its 1 s queue deadline."""
-    handle("Translator").inject_fault.remote("stall", 1, 3.0).result()
+    handle(FAULT_CONFIG.translator.name).inject_fault.remote("stall", 1, 3.0).result()
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -106,7 +108,7 @@ def test_deadlines_end_requests_with_a_clear_status_and_free_their_slots(faults_
     for response in (running, queued):
         assert response.status_code == 503, response.text
         assert response.headers["retry-after"] == "1" and "timed out" in response.json()["error"]["message"]
-    (stats,) = replica_stats("Translator", 3).values()
+    (stats,) = replica_stats(FAULT_CONFIG.translator.name, 3).values()
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["free_slots"] == 8
     assert stats["finished"].get("timeout", 0) >= 2
     ok = httpx.post(f"{faults_url}/v1/translate", json={"text": "A cat sleeps.", "beam_size": 1}, timeout=60)
@@ -123,8 +125,8 @@ def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(faul
     alone = {
         b["text"]: httpx.post(f"{faults_url}/v1/translate", json=b, timeout=60).json()["translations"][0]["text"] for b in (first, second)
     }
-    (before,) = replica_stats("Translator", 3).values()
-    handle("Translator").inject_fault.remote("stall", 1, 0.8).result()
+    (before,) = replica_stats(FAULT_CONFIG.translator.name, 3).values()
+    handle(FAULT_CONFIG.translator.name).inject_fault.remote("stall", 1, 0.8).result()
 
     async def main() -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as http, httpx.AsyncClient(timeout=0.4) as leaving:
@@ -146,7 +148,7 @@ def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(faul
     assert kept_response.status_code == 200 and kept_response.json()["translations"][0]["text"] == alone[kept_text]
 
     def idle() -> bool:
-        (now,) = replica_stats("Translator", 3).values()
+        (now,) = replica_stats(FAULT_CONFIG.translator.name, 3).values()
         return (
             now["running"] == 0
             and now["waiting"] == 0
@@ -160,8 +162,8 @@ def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(faul
 
 
 def test_a_wedged_engine_loop_fails_health_checks_and_is_replaced(faults_url: str) -> None:
-    (old,) = replica_stats("Translator", 3)
-    handle("Translator").inject_fault.remote("stall", 1, None).result()  # the next step never returns
+    (old,) = replica_stats(FAULT_CONFIG.translator.name, 3)
+    handle(FAULT_CONFIG.translator.name).inject_fault.remote("stall", 1, None).result()  # the next step never returns
     stuck = httpx.post(f"{faults_url}/v1/translate", json={"text": "A dog runs.", "beam_size": 1}, timeout=120)
     # Its replica was replaced under it: the ingress sent it again (200), or had no replica left
     # to send it to within its tries (503); never a 500.
@@ -170,7 +172,7 @@ def test_a_wedged_engine_loop_fails_health_checks_and_is_replaced(faults_url: st
 
     def replaced() -> bool:
         try:
-            return list(replica_stats("Translator", 3)) not in ([old], [])
+            return list(replica_stats(FAULT_CONFIG.translator.name, 3)) not in ([old], [])
         except Exception:
             return False
 
@@ -207,7 +209,7 @@ def test_a_replica_killed_under_load_loses_no_request_and_is_replaced(faults_url
     """SIGKILL one of two generator replicas under streamed and plain completions. Requests it
     had not begun to answer are sent to the other replica (the same seed, so the same text); a
     stream it had begun ends with one retryable error event and [DONE]; no 500, no bare cut."""
-    stats = replica_stats("Generator")
+    stats = replica_stats(FAULT_CONFIG.generator.name)
     assert len(stats) == 2
     victim_id, victim = next(iter(stats.items()))
     retries_before = scrape(metrics_url, "ray_serving_request_retries_total", model="faulty-shakespeare")
@@ -217,7 +219,10 @@ def test_a_replica_killed_under_load_loses_no_request_and_is_replaced(faults_url
         streams = [loop.run_in_executor(None, read_stream, faults_url, i) for i in range(8)]
         plain = [loop.run_in_executor(None, complete, faults_url, i) for i in range(8)]
         wait = loop.run_in_executor(
-            None, wait_until, lambda: replica_stats("Generator", 10).get(victim_id, {}).get("running", 0) > 0, "the victim busy"
+            None,
+            wait_until,
+            lambda: replica_stats(FAULT_CONFIG.generator.name, 10).get(victim_id, {}).get("running", 0) > 0,
+            "the victim busy",
         )
         await wait
         os.kill(victim["pid"], signal.SIGKILL)
@@ -236,12 +241,14 @@ def test_a_replica_killed_under_load_loses_no_request_and_is_replaced(faults_url
     )
 
     def replaced() -> bool:
-        current = replica_stats("Generator")
+        current = replica_stats(FAULT_CONFIG.generator.name)
         return len(current) == 2 and victim_id not in current
 
     wait_until(replaced, "a replacement generator replica")
-    new_ids = set(replica_stats("Generator")) - set(stats)
+    new_ids = set(replica_stats(FAULT_CONFIG.generator.name)) - set(stats)
     assert new_ids
     served = [httpx.post(f"{faults_url}/v1/completions", json={"prompt": "KING:", "max_tokens": 4}, timeout=60) for _ in range(10)]
     assert all(r.status_code == 200 for r in served)
-    assert any(s["finished"] for s in replica_stats("Generator").values() if s["replica"] in new_ids)  # the replacement served
+    assert any(
+        s["finished"] for s in replica_stats(FAULT_CONFIG.generator.name).values() if s["replica"] in new_ids
+    )  # the replacement served

@@ -154,10 +154,10 @@ def test_32_concurrent_streams_batch_together_on_two_replicas(service_url: str) 
         async with httpx.AsyncClient(base_url=service_url, timeout=300) as http:
             return await asyncio.gather(*(_stream_completion(http, i) for i in range(32)))
 
-    before = replica_stats("Generator")
+    before = replica_stats(TEST_CONFIG.generator.name)
     results = asyncio.run(main())
     assert all(done and reason == "length" and text for text, reason, done in results)
-    after = replica_stats("Generator")
+    after = replica_stats(TEST_CONFIG.generator.name)
     assert len(before) == len(after) == 2, "both generator replicas answer"
     steps = {r: after[r]["steps"] - before[r]["steps"] for r in after}
     sequences = {r: after[r]["batch_size_sum"] - before[r]["batch_size_sum"] for r in after}
@@ -166,13 +166,13 @@ def test_32_concurrent_streams_batch_together_on_two_replicas(service_url: str) 
 
 
 def test_disconnecting_a_stream_frees_its_slot(service_url: str) -> None:
-    before = sum(s["finished"].get("abort", 0) for s in replica_stats("Generator").values())
+    before = sum(s["finished"].get("abort", 0) for s in replica_stats(TEST_CONFIG.generator.name).values())
     body = {"model": GENERATOR, "prompt": "HAMLET:", "max_tokens": 200, "stream": True}
     leave_stream(f"{service_url}/v1/completions", body, after_events=2)
     # The connection is closed; the engine drops the sequence within a step or so.
     deadline = time.monotonic() + 120  # a bound on a broken engine, not a speed limit
     while True:
-        stats = replica_stats("Generator")
+        stats = replica_stats(TEST_CONFIG.generator.name)
         aborted = sum(s["finished"].get("abort", 0) for s in stats.values())
         idle = all(s["running"] == 0 and s["free_slots"] == TEST_CONFIG.generator.engine.n_slots for s in stats.values())
         if aborted == before + 1 and idle:

@@ -76,7 +76,8 @@ def dashboard_targets() -> list[tuple[str, str]]:
     """(panel title, expr) of every query of the dashboard, rows included."""
     panels = json.loads(DASHBOARD.read_text())["panels"]
     panels = panels + [p for row in panels for p in row.get("panels", [])]
-    return [(p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
+    # Grafana's "All" of the model variable is the regex .* (the variable's allValue)
+    return [(p["title"], t["expr"].replace("$model", ".*")) for p in panels for t in p.get("targets", [])]
 
 
 def alert_rules() -> list[tuple[str, str]]:
@@ -175,6 +176,7 @@ SYNTHETIC_SERIES = {
     'ray_serving_kv_cache_usage_ratio{model="gen",deployment="Generator",replica="b"}': "0.5x30",
     'ray_serve_deployment_replica_healthy{application="transformers",deployment="Generator",replica="a"}': "1x30",
     'ray_serve_deployment_replica_healthy{application="transformers",deployment="Generator",replica="b"}': "1 1 0x30",
+    'ray_serve_deployment_replica_healthy{application="transformers",deployment="Translator",replica="c"}': "1x5",  # then gone
     'up{job="ray",instance="127.0.0.1:8080"}': "1 1 0x30",
 }
 EXPECTED_ALERTS: dict[str, list[tuple[dict[str, str], str]]] = {
@@ -186,7 +188,7 @@ EXPECTED_ALERTS: dict[str, list[tuple[dict[str, str], str]]] = {
     "ServeReplicaUnhealthy": [
         ({"application": "transformers", "deployment": "Generator", "replica": "b"}, "Replica b of Generator fails its health check")
     ],
-    "ServeReplicasAbsent": [({"deployment": "Translator"}, "No healthy-replica metric for a model deployment")],
+    "ServeReplicasAbsent": [({"application": "transformers", "deployment": "Translator"}, "No replica of Translator reports any more")],
     "RayMetricsTargetDown": [
         ({"job": "ray", "instance": "127.0.0.1:8080"}, "Prometheus cannot scrape Ray's metrics endpoint 127.0.0.1:8080")
     ],
@@ -275,8 +277,8 @@ def test_mean_batch_size_read_from_the_metric_is_exact(service_url: str, metrics
     """sum / count of serving_batch_size, as the dashboard and the load sweep read it, equals the
     engines' own count of sequences per step (Ray rebuilds the sum from bucket midpoints)."""
     deployments = {
-        GENERATOR: ("Generator", TEST_CONFIG.generator.deployment.get("num_replicas", 1)),
-        TRANSLATOR: ("Translator", TEST_CONFIG.translator.deployment.get("num_replicas", 1)),
+        GENERATOR: (GENERATOR, TEST_CONFIG.generator.deployment.get("num_replicas", 1)),
+        TRANSLATOR: (TRANSLATOR, TEST_CONFIG.translator.deployment.get("num_replicas", 1)),
     }
 
     def metric() -> dict[str, float]:

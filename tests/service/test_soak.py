@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.soak import report, soak
-from tests.helpers import APP_NAME
+from tests.helpers import APP_NAME, TEST_CONFIG
 
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "300"))  # at least 5 minutes unless told otherwise
 WARMUP_S = SOAK_SECONDS / 2  # Python's allocator keeps growing, ever slower, for a few minutes
+DEPLOYMENTS = (*(m.name for m in TEST_CONFIG.models), "Ingress")
 RESULTS = Path(__file__).resolve().parents[2] / "loadtests" / "results"
 
 
@@ -22,7 +23,7 @@ def sample_stats() -> dict[str, dict[str, int]]:
     from ray import serve
 
     stats: dict[str, dict[str, int]] = {}
-    for deployment in ("Translator", "Generator", "Ingress"):
+    for deployment in DEPLOYMENTS:
         handle: Any = serve.get_deployment_handle(deployment, app_name=APP_NAME)
         for _ in range(16):
             s = handle.stats.remote().result()
@@ -46,7 +47,7 @@ def test_soak_with_cancelled_streams_leaks_nothing(service_url: str) -> None:
             if t >= WARMUP_S:
                 after_warmup.setdefault(process, []).append(values)
     compared = {process: (series[0], series[-1]) for process, series in after_warmup.items() if len(series) >= 2}
-    assert {p.split(":")[0] for p in compared} == {"Translator", "Generator", "Ingress"}, list(after_warmup)
+    assert {p.split(":")[0] for p in compared} == set(DEPLOYMENTS), list(after_warmup)
     for process, (warm, last) in compared.items():
         assert last["open_fds"] <= warm["open_fds"] + 2, (process, summary)
         assert last["asyncio_tasks"] <= warm["asyncio_tasks"] + 2, (process, summary)

@@ -57,7 +57,7 @@ async function translate() {
   const button = $("translate-button");
   button.disabled = true;
   $("translate-status").textContent = "translating...";
-  const body = { text: $("source").value, beam_size: Number($("beam-size").value), alternatives: Number($("alternatives").value), return_attention: true };
+  const body = { model: $("translate-model").value || undefined, text: $("source").value, beam_size: Number($("beam-size").value), alternatives: Number($("alternatives").value), return_attention: true };
   if (body.alternatives >= body.beam_size) body.alternatives = body.beam_size - 1;
   try {
     let answer;
@@ -145,7 +145,7 @@ async function generate() {
       method: "POST",
       headers: jsonHeaders(),
       body: JSON.stringify({
-        prompt, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
+        model: $("generate-model").value || undefined, prompt, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
         temperature: Number($("temperature").value), top_p: Number($("top-p").value),
         max_tokens: Number($("max-tokens").value), seed: Number($("seed").value),
       }),
@@ -189,7 +189,7 @@ async function generate() {
 }
 
 async function showSelfAttention(text) {
-  selfAttention = await postJSON("/v1/attention", { text });
+  selfAttention = await postJSON("/v1/attention", { model: $("generate-model").value || undefined, text });
   fillSelect($("self-layer"), selfAttention.layers, "layer");
   fillSelect($("self-head"), selfAttention.heads, "head");
   selectedToken = selfAttention.tokens.length - 1;
@@ -211,6 +211,22 @@ function drawSelfAttention() {
   $("self-tokens").replaceChildren(...chips);
 }
 
+// ---- Models: the served translators (with their languages) and generators, from /v1/models ----
+async function loadModels() {
+  const response = await fetch("/v1/models", { headers: jsonHeaders() });
+  if (!response.ok) return;  // e.g. a key is needed: the server's default models serve
+  const models = (await response.json()).data;
+  const fill = (select, kind, label) => {
+    const previous = select.value;
+    select.replaceChildren(...models.filter((m) => m.kind === kind).map((m) => new Option(label(m), m.id)));
+    if ([...select.options].some((o) => o.value === previous)) select.value = previous;
+  };
+  fill($("translate-model"), "translator", (m) => `${m.id} (${m.source_lang} \u2192 ${m.target_lang})`);
+  fill($("generate-model"), "generator", (m) => m.id);
+}
+
+loadModels();
+$("api-key").addEventListener("change", loadModels);
 $("translate-button").addEventListener("click", translate);
 $("generate-button").addEventListener("click", generate);
 for (const id of ["sentence-select", "cross-layer", "cross-head"]) $(id).addEventListener("change", drawHeatmap);
