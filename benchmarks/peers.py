@@ -1,35 +1,51 @@
 """Our engine against transformers and CTranslate2 on the same work, side by side in one run.
 
-    python -m benchmarks.peers [--json] [--out benchmarks/results] [--threads 1] [--repeats 2] [--quick]
+    python -m benchmarks.peers [--translator DIR] [--generator DIR] [--json] [--out DIR]
+                               [--threads 1] [--repeats 2] [--quick]
 
-Every system runs the shipped checkpoints, exported exactly (model/export.py) into a temporary
-folder: transformers (MarianMTModel, GPTNeoXForCausalLM) and CTranslate2 float32 and int8 (the
-float32 export quantised by ctranslate2 at load). Same threads (torch intra-op threads for ours
-and transformers, ctranslate2's intra_threads), same inputs, same batch sizes; each timer covers
+--translator and --generator (default: the shipped checkpoints) each take our checkpoint folder or
+a Hugging Face one (MarianMTModel, GPTNeoXForCausalLM; model/folder.py tells which). Our engine
+loads the folder itself (Engine.from_checkpoint). For our folders the peers run exact exports
+made into a temporary folder (model/export.py); a Hugging Face folder transformers loads as it is
+and CTranslate2 gets through its TransformersConverter (its Marian converter starts the decoder
+from a zero embedding, as Marian's own models do). Every system in float32; CTranslate2 int8 is
+its float32 model quantised at load. Same threads (torch intra-op threads for ours and
+transformers, ctranslate2's intra_threads), same inputs, same batch sizes; each timer covers
 tokenization, generation and detokenization. After one untimed warm-up each, the systems take
 turns for --repeats timed runs and each keeps its best wall time and its least CPU time (the
 machine is shared: a busy spell then falls on every system; cpu_seconds_per_second, near 1 with
 one thread on an idle machine, tells how busy it was, and the _by_cpu ratios, from CPU time,
 move least with it).
 
-- translate_greedy / translate_beam4: the 1,000 test_2016_flickr sentences, 64 sentences in
-  flight for every system. transformers and CTranslate2 get them sorted by length in batches of
-  64; our engine takes all the requests at once (the service's path: Engine.from_checkpoint,
-  add_request, step until done) with 64 x beam_size slots and batches continuously. Output
-  limits are the service's (twice the source plus ten tokens): ours per sentence, the peers'
-  per batch (the longest sentence's), so a sentence that runs into its limit can go on longer
-  there. Beam 4: length penalty 1.0, stopping when 4 hypotheses have ended (transformers'
-  early_stopping=True). BLEU: sacreBLEU corpus_bleu, 13a, cased.
+- translate_greedy / translate_beam4: the 1,000 test_2016_flickr sentences of Multi30k in the
+  translator's source language (references in its target language; en, de, fr and cs exist),
+  64 sentences in flight for every system. transformers and CTranslate2 get them sorted by
+  length in batches of 64; our engine takes all the requests at once (the service's path:
+  Engine.from_checkpoint, add_request, step until done) with 64 x beam_size slots and batches
+  continuously. Output limits are the service's (twice the source plus ten tokens, within the
+  context the engine serves: the model's positions, at most service.engine.config's
+  DEFAULT_MAX_CONTEXT): ours per sentence, the peers' per batch (the longest sentence's), so a
+  sentence that runs into its limit can go on longer there. Beam 4: length penalty 1.0,
+  stopping when 4 hypotheses have ended (transformers' early_stopping=True). BLEU: sacreBLEU
+  corpus_bleu, 13a, cased.
 - generate_batch_1 / generate_batch_16: the generator, greedy, exactly 200 new tokens for every
   prompt (transformers and CTranslate2 are held to 200 by min/max length; our engine has no
   ignore_eos, so the run checks that it produced 200 for each). Batch 1 runs 4 prompts one
   after another, batch 16 sixteen prompts at once (our engine: 16 slots).
 
+Tokens for CTranslate2: for our folders, pieces of our sentencepiece model (ctranslate2 appends
+a source's </s>); for a Hugging Face folder, its tokenizer's tokens (MarianTokenizer appends the
+</s>), output tokens back to text with the same tokenizer, special tokens dropped.
+
 Prints a table; with --json the last line is one JSON object: each figure, the ratios
 <work>_vs_<peer> (ours / peer, throughput; <work>_vs_<peer>_by_cpu from CPU time), the same for
 our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py), the BLEU of each system
-and the share of each other system's outputs equal to ours (<work>_same_as_ours_<system>).
-Writes peers.json and peers.png into --out.
+and the share of each other system's outputs equal to ours (<work>_same_as_ours_<system>);
+"models" names the folders compared (path, kind ours / hugging_face, context, languages).
+Writes peers.json and peers.png into --out: by default benchmarks/results for the shipped
+checkpoints (the figures the docs show, python -m benchmarks.report), and
+benchmarks/results/peers-<translator folder name>+<generator folder name> when either folder is
+another, so that a run on other models never replaces them.
 """
 
 import argparse
@@ -47,6 +63,7 @@ import ctranslate2
 import sacrebleu
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
@@ -55,13 +72,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_config
 from model.data import SHARED_DATA, read_lines
 from model.export import export_ct2, export_hf
+from model.folder import CheckpointError, FolderInfo, ModelKind, inspect_folder, read_json
 from model.sampling import GREEDY
 from model.tokenizer import Tokenizer
 from model.translate import max_new_tokens_for
-from service.engine.config import EngineConfig
+from service.engine.config import EngineConfig, serving_context
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 
@@ -69,7 +87,9 @@ SYSTEMS = ["ours", "ours_int8", "transformers", "ct2_float32", "ct2_int8"]
 PEERS = SYSTEMS[2:]
 BATCH_SENTENCES = 64
 NEW_TOKENS = 200
-MAX_LEN = 256  # both models' context
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path("benchmarks/results")
+MULTI30K = SHARED_DATA / "multi30k"
 
 # At least two tokens each: CTranslate2 4.8.5, given a batch whose shortest prompt is one token,
 # returns the other prompts' tails in the output (include_prompt_in_result=False) and counts
@@ -77,14 +97,27 @@ MAX_LEN = 256  # both models' context
 PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "To be", "JULIET:\nO", "MENENIUS:\n", "The king", "HAMLET:\n"]
 
 Outputs = list[str]  # translations, or generated texts
+Encode = Callable[[list[str]], list[list[str]]]  # texts to the tokens ctranslate2 takes
+Decode = Callable[[list[str]], str]  # ctranslate2's output tokens to text
 
 
-@dataclass
-class Exports:
-    hf_translator: Path
-    hf_generator: Path
-    ct2_translator: Path
-    ct2_generator: Path
+@dataclass(frozen=True)
+class Compared:
+    """One model under comparison: the folder our engine loads, whether it is a Hugging Face one,
+    the folder transformers loads (that folder, or our export of it), its CTranslate2 model
+    (float32), and the context our engine serves for it (prompt + output, or source / output)."""
+
+    folder: Path
+    hugging_face: bool
+    hf: Path
+    ct2: Path
+    max_len: int
+
+    def describe(self, info: FolderInfo) -> dict[str, Any]:
+        path = self.folder.resolve()
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        languages = {"source_lang": info.source_lang, "target_lang": info.target_lang} if info.kind == "translator" else {}
+        return {"path": str(shown), "kind": "hugging_face" if self.hugging_face else "ours", "max_len": self.max_len, **languages}
 
 
 @dataclass
@@ -92,6 +125,64 @@ class Measured:
     outputs: Outputs
     seconds: float  # the best wall time
     cpu_seconds: float  # the least CPU time of the process (all its threads): what other processes on the machine change least
+
+
+class Converter(ctranslate2.converters.TransformersConverter):  # type: ignore[misc]  # untyped
+    """ctranslate2's TransformersConverter, given the transformers 4 names its GPT-NeoX loader
+    reads: config.rotary_pct (transformers 5: rope_parameters' partial_rotary_factor; the loader
+    takes no rotary base but 10000) and embed_out (transformers 5: lm_head)."""
+
+    def load_model(self, model_class: Any, model_name_or_path: str, **kwargs: Any) -> Any:
+        model = super().load_model(model_class, model_name_or_path, **kwargs)
+        rope = getattr(model.config, "rope_parameters", None) or {}
+        if "partial_rotary_factor" in rope and not hasattr(model.config, "rotary_pct"):
+            if rope.get("rope_theta", 10000) != 10000:
+                raise ValueError(f"rope_theta {rope['rope_theta']}: CTranslate2's GPT-NeoX converter takes 10000 only")
+            model.config.rotary_pct = rope["partial_rotary_factor"]
+        if hasattr(model, "lm_head") and not hasattr(model, "embed_out"):
+            model.embed_out = model.lm_head
+        return model
+
+
+def prepare(folder: Path, hugging_face: bool, into: Path) -> Compared:
+    """The peers' copies of folder, made in into (which must not exist): our folder exported
+    (export_hf, export_ct2), a Hugging Face one converted for CTranslate2 (TransformersConverter)."""
+    ct2 = into / "ct2"
+    if hugging_face:
+        try:
+            Converter(str(folder)).convert(str(ct2), quantization="float32")
+        except ValueError as error:  # e.g. its Marian converter drops the last id, which must be <pad> (as in opus-mt)
+            raise SystemExit(f"peers: CTranslate2's TransformersConverter cannot convert {folder}: {error}") from None
+        positions = int(AutoConfig.from_pretrained(folder).max_position_embeddings)
+        return Compared(folder, True, folder, ct2, serving_context(None, positions))
+    export_hf(folder, into / "hf")
+    export_ct2(folder, ct2)
+    return Compared(folder, False, into / "hf", ct2, serving_context(None, load_config(folder).max_len))
+
+
+def ct2_tokens(model: Compared, hf_tokenizer: PreTrainedTokenizerBase) -> tuple[Encode, Decode]:
+    """How CTranslate2 reads and writes the model's text: our sentencepiece pieces for our folders
+    (ctranslate2 appends a source's </s>), the folder's tokenizer's tokens for a Hugging Face one
+    (MarianTokenizer appends </s>); output tokens to text without special tokens."""
+    if model.hugging_face:
+
+        def encode_hf(texts: list[str]) -> list[list[str]]:
+            return [[*hf_tokenizer.convert_ids_to_tokens(ids)] for ids in hf_tokenizer(texts)["input_ids"]]  # ids in, a list out
+
+        def decode_hf(tokens: list[str]) -> str:
+            return str(hf_tokenizer.decode(hf_tokenizer.convert_tokens_to_ids(tokens), skip_special_tokens=True))
+
+        return encode_hf, decode_hf
+    tokenizer = Tokenizer.load(model.folder / "tokenizer.model")
+
+    def encode(texts: list[str]) -> list[list[str]]:
+        pieces: list[list[str]] = tokenizer.sp.encode(texts, out_type=str)
+        return pieces
+
+    def decode(tokens: list[str]) -> str:
+        return tokenizer.decode([tokenizer.sp.piece_to_id(piece) for piece in tokens])
+
+    return encode, decode
 
 
 def measure(
@@ -138,18 +229,21 @@ def engine_translate(engine: Engine, sentences: list[str], beam_size: int) -> Ou
     return texts
 
 
-def transformers_translate(model: MarianMTModel, tokenizer: PreTrainedTokenizerBase, sentences: list[str], beam_size: int) -> Outputs:
+def transformers_translate(
+    model: MarianMTModel, tokenizer: PreTrainedTokenizerBase, sentences: list[str], beam_size: int, max_len: int
+) -> Outputs:
     ids: list[list[int]] = tokenizer(sentences)["input_ids"]  # MarianTokenizer appends </s>
     beam: dict[str, Any] = {"num_beams": beam_size, "length_penalty": 1.0, "early_stopping": True} if beam_size > 1 else {}
     texts = [""] * len(sentences)
     for batch in length_batches(ids, BATCH_SENTENCES):
         width = max(len(ids[i]) for i in batch)
-        src = torch.tensor([ids[i] + [0] * (width - len(ids[i])) for i in batch])  # (B, S), pad 0
-        limit = max(max_new_tokens_for(len(ids[i]), MAX_LEN) for i in batch)
+        src = torch.tensor([ids[i] + [tokenizer.pad_token_id] * (width - len(ids[i])) for i in batch])  # (B, S)
+        mask = torch.tensor([[1] * len(ids[i]) + [0] * (width - len(ids[i])) for i in batch])
+        limit = max(max_new_tokens_for(len(ids[i]), max_len) for i in batch)
         with torch.inference_mode():
             out = model.generate(  # type: ignore[misc]  # transformers types generate() with two selves
                 input_ids=src,
-                attention_mask=src != 0,
+                attention_mask=mask,
                 max_length=limit + 1,  # + the decoder's start token
                 do_sample=False,
                 **beam,
@@ -160,36 +254,43 @@ def transformers_translate(model: MarianMTModel, tokenizer: PreTrainedTokenizerB
     return texts
 
 
-def ct2_translate(translator: ctranslate2.Translator, tokenizer: Tokenizer, sentences: list[str], beam_size: int) -> Outputs:
-    pieces: list[list[str]] = tokenizer.sp.encode(sentences, out_type=str)
+def ct2_translate(
+    translator: ctranslate2.Translator, encode: Encode, decode: Decode, sentences: list[str], beam_size: int, max_len: int, adds_eos: bool
+) -> Outputs:
+    """adds_eos: ctranslate2 appends </s> to each source (the model's add_source_eos)."""
+    tokens = encode(sentences)
     texts = [""] * len(sentences)
-    for batch in length_batches(pieces, BATCH_SENTENCES):
-        limit = max(max_new_tokens_for(len(pieces[i]) + 1, MAX_LEN) for i in batch)  # + the </s> ctranslate2 appends
+    for batch in length_batches(tokens, BATCH_SENTENCES):
+        limit = max(max_new_tokens_for(len(tokens[i]) + adds_eos, max_len) for i in batch)
         results = translator.translate_batch(
-            [pieces[i] for i in batch], beam_size=beam_size, length_penalty=1.0, max_decoding_length=limit, min_decoding_length=0
+            [tokens[i] for i in batch], beam_size=beam_size, length_penalty=1.0, max_decoding_length=limit, min_decoding_length=0
         )
         for i, result in zip(batch, results, strict=True):
-            texts[i] = tokenizer.sp.decode_pieces(result.hypotheses[0])
+            texts[i] = decode(result.hypotheses[0])
     return texts
 
 
-def translation(exports: Exports, sentences: list[str], references: list[str], threads: int, repeats: int) -> dict[str, float]:
+def translation(translator: Compared, sentences: list[str], references: list[str], threads: int, repeats: int) -> dict[str, float]:
     """sentences/s and BLEU of every system, greedy and beam 4."""
-    tokenizer = Tokenizer.load(DEFAULT_TRANSLATOR / "tokenizer.model")
-    hf_model = AutoModelForSeq2SeqLM.from_pretrained(exports.hf_translator).eval()
-    hf_tokenizer = AutoTokenizer.from_pretrained(exports.hf_translator)
+    hf_model = AutoModelForSeq2SeqLM.from_pretrained(translator.hf, dtype=torch.float32).eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(translator.hf)
+    encode, decode = ct2_tokens(translator, hf_tokenizer)
+    adds_eos = bool(read_json(translator.ct2 / "config.json").get("add_source_eos", False))
     ct2 = {
-        f"ct2_{kind}": ctranslate2.Translator(str(exports.ct2_translator), device="cpu", compute_type=kind, intra_threads=threads)
+        f"ct2_{kind}": ctranslate2.Translator(str(translator.ct2), device="cpu", compute_type=kind, intra_threads=threads)
         for kind in ["float32", "int8"]
     }
     results: dict[str, float] = {}
     for work, beam in [("translate_greedy", 1), ("translate_beam4", 4)]:
-        engine, engine_int8 = (offline_engine(DEFAULT_TRANSLATOR, BATCH_SENTENCES * beam, w) for w in (torch.float32, "int8"))
+        engine, engine_int8 = (offline_engine(translator.folder, BATCH_SENTENCES * beam, w) for w in (torch.float32, "int8"))
         runs: dict[str, Callable[[list[str]], Outputs]] = {
             "ours": partial(engine_translate, engine, beam_size=beam),
             "ours_int8": partial(engine_translate, engine_int8, beam_size=beam),
-            "transformers": partial(transformers_translate, hf_model, hf_tokenizer, beam_size=beam),
-            **{name: partial(ct2_translate, translator, tokenizer, beam_size=beam) for name, translator in ct2.items()},
+            "transformers": partial(transformers_translate, hf_model, hf_tokenizer, beam_size=beam, max_len=translator.max_len),
+            **{
+                name: partial(ct2_translate, model, encode, decode, beam_size=beam, max_len=translator.max_len, adds_eos=adds_eos)
+                for name, model in ct2.items()
+            },
         }
         measured = measure(runs, [sentences], sentences[:BATCH_SENTENCES], repeats)
         for system, m in measured.items():
@@ -225,37 +326,40 @@ def transformers_generate(model: GPTNeoXForCausalLM, tokenizer: PreTrainedTokeni
     batch = tokenizer(prompts, padding=True, return_tensors="pt")  # left-padded
     width = batch["input_ids"].shape[1]
     with torch.inference_mode():
-        out = model.generate(**batch, max_length=width + NEW_TOKENS, min_length=width + NEW_TOKENS, do_sample=False)  # type: ignore[misc]
+        out = model.generate(  # type: ignore[misc]
+            **batch, max_length=width + NEW_TOKENS, min_length=width + NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
     assert isinstance(out, torch.Tensor) and out.shape[1] == width + NEW_TOKENS
     texts: Outputs = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return texts
 
 
-def ct2_generate(generator: ctranslate2.Generator, tokenizer: Tokenizer, prompts: list[str]) -> Outputs:
-    pieces = tokenizer.sp.encode(prompts, out_type=str)
-    results = generator.generate_batch(pieces, max_length=NEW_TOKENS, min_length=NEW_TOKENS, include_prompt_in_result=False)
+def ct2_generate(generator: ctranslate2.Generator, encode: Encode, decode: Decode, prompts: list[str]) -> Outputs:
+    results = generator.generate_batch(encode(prompts), max_length=NEW_TOKENS, min_length=NEW_TOKENS, include_prompt_in_result=False)
     assert all(len(r.sequences_ids[0]) == NEW_TOKENS for r in results)
-    return [tokenizer.decode(r.sequences_ids[0]) for r in results]
+    return [decode(r.sequences[0]) for r in results]
 
 
-def generation(exports: Exports, threads: int, batch_1_prompts: int, repeats: int) -> dict[str, float]:
+def generation(generator: Compared, threads: int, batch_1_prompts: int, repeats: int) -> dict[str, float]:
     """Generated tokens/s of every system: batch 1 (prompts one after another) and batch 16."""
-    tokenizer = Tokenizer.load(DEFAULT_GENERATOR / "tokenizer.model")
-    hf_model = AutoModelForCausalLM.from_pretrained(exports.hf_generator).eval()
-    hf_tokenizer = AutoTokenizer.from_pretrained(exports.hf_generator, padding_side="left")
+    hf_model = AutoModelForCausalLM.from_pretrained(generator.hf, dtype=torch.float32).eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(generator.hf, padding_side="left")
+    if hf_tokenizer.pad_token is None:  # GPT-NeoX tokenizers have none; the attention mask hides it
+        hf_tokenizer.pad_token = hf_tokenizer.eos_token
+    encode, decode = ct2_tokens(generator, hf_tokenizer)
     ct2 = {
-        f"ct2_{kind}": ctranslate2.Generator(str(exports.ct2_generator), device="cpu", compute_type=kind, intra_threads=threads)
+        f"ct2_{kind}": ctranslate2.Generator(str(generator.ct2), device="cpu", compute_type=kind, intra_threads=threads)
         for kind in ["float32", "int8"]
     }
     results: dict[str, float] = {}
     for batch_size in [1, 16]:
         work = f"generate_batch_{batch_size}"
-        engine, engine_int8 = (offline_engine(DEFAULT_GENERATOR, batch_size, w) for w in (torch.float32, "int8"))
+        engine, engine_int8 = (offline_engine(generator.folder, batch_size, w) for w in (torch.float32, "int8"))
         runs: dict[str, Callable[[list[str]], Outputs]] = {
             "ours": partial(engine_generate, engine),
             "ours_int8": partial(engine_generate, engine_int8),
             "transformers": partial(transformers_generate, hf_model, hf_tokenizer),
-            **{name: partial(ct2_generate, generator, tokenizer) for name, generator in ct2.items()},
+            **{name: partial(ct2_generate, model, encode, decode) for name, model in ct2.items()},
         }
         if batch_size == 1:  # prompts one after another
             batches = [[PROMPTS[i % len(PROMPTS)]] for i in range(batch_1_prompts)]
@@ -318,53 +422,105 @@ def plot(results: dict[str, float], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def checked(folder: Path, kind: ModelKind) -> FolderInfo:
+    """What inspect_folder says of folder, or SystemExit with one line when it is not a kind folder."""
+    try:
+        info = inspect_folder(folder)
+    except CheckpointError as error:
+        raise SystemExit(f"peers: {error}") from None
+    if info.kind != kind:
+        raise SystemExit(f"peers: {folder} holds a {info.kind} ({info.architecture}), not a {kind}")
+    return info
+
+
+def multi30k_test_set(folder: Path, info: FolderInfo) -> tuple[list[str], list[str]]:
+    """Multi30k's test_2016_flickr sources and references in the translator's languages, or
+    SystemExit with one line when there are none."""
+    paths = [MULTI30K / f"test_2016_flickr.{lang}.gz" for lang in (info.source_lang, info.target_lang)]
+    if info.source_lang is None or info.target_lang is None or not all(p.is_file() for p in paths):
+        have = ", ".join(sorted(p.name.split(".")[1] for p in MULTI30K.glob("test_2016_flickr.*.gz")))
+        raise SystemExit(f"peers: no Multi30k test_2016 data for {folder} ({info.source_lang} -> {info.target_lang}); languages: {have}")
+    sources, references = (read_lines(p) for p in paths)
+    return sources, references
+
+
+def check_context(generator: Compared) -> None:
+    """SystemExit with one line when the generator's context cannot hold a prompt and NEW_TOKENS."""
+    longest = max(len(ids) for ids in AutoTokenizer.from_pretrained(generator.hf)(PROMPTS)["input_ids"])
+    if longest + NEW_TOKENS > generator.max_len:
+        raise SystemExit(
+            f"peers: {generator.folder} serves {generator.max_len} positions, fewer than a prompt ({longest}) and {NEW_TOKENS} new tokens"
+        )
+
+
+def default_out(translator: Path, generator: Path) -> Path:
+    """benchmarks/results for the shipped checkpoints; benchmarks/results/peers-<translator
+    name>+<generator name> when either is another folder, so the docs' figures stay."""
+    if translator.resolve() == DEFAULT_TRANSLATOR.resolve() and generator.resolve() == DEFAULT_GENERATOR.resolve():
+        return RESULTS
+    return RESULTS / f"peers-{translator.resolve().name}+{generator.resolve().name}"
+
+
+def tokenization_note(name: str, model: Compared) -> str:
+    if model.hugging_face:
+        return f"tokenization ({name}): every system with the folder's tokenizer (CTranslate2 given its tokens)"
+    return (
+        f"tokenization ({name}): ours and CTranslate2 with our sentencepiece model, transformers with the exported AutoTokenizer (same ids)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--translator", type=Path, default=DEFAULT_TRANSLATOR, help="our translator folder or a Hugging Face MarianMT one")
+    parser.add_argument("--generator", type=Path, default=DEFAULT_GENERATOR, help="our generator folder or a Hugging Face GPT-NeoX one")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads and ctranslate2 intra_threads")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=None, help="where peers.json and peers.png go (default: see above)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each measure, the best kept")
     parser.add_argument("--quick", action="store_true", help="100 sentences, fewer prompts, one repeat: to check the script")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    translator_info, generator_info = checked(args.translator, "translator"), checked(args.generator, "generator")
+    sentences, references = multi30k_test_set(args.translator, translator_info)
+    out: Path = args.out or default_out(args.translator, args.generator)
+    out.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")  # Moses normalisation is not part of encoding
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    sentences = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")
-    references = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.de.gz")
     if args.quick:
         sentences, references = sentences[:100], references[:100]
     results: dict[str, float] = {"threads": float(args.threads), "sentences": float(len(sentences)), "new_tokens": float(NEW_TOKENS)}
     repeats = 1 if args.quick else args.repeats
     started, cpu_started = time.perf_counter(), time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        exports = Exports(folder / "hf-translator", folder / "hf-generator", folder / "ct2-translator", folder / "ct2-generator")
-        export_hf(DEFAULT_TRANSLATOR, exports.hf_translator)
-        export_hf(DEFAULT_GENERATOR, exports.hf_generator)
-        export_ct2(DEFAULT_TRANSLATOR, exports.ct2_translator)
-        export_ct2(DEFAULT_GENERATOR, exports.ct2_generator)
-        results.update(translation(exports, sentences, references, args.threads, repeats))
-        results.update(generation(exports, args.threads, 2 if args.quick else 4, repeats))
+        generator = prepare(args.generator, generator_info.hugging_face, Path(tmp) / "generator")
+        check_context(generator)
+        translator = prepare(args.translator, translator_info.hugging_face, Path(tmp) / "translator")
+        results.update(translation(translator, sentences, references, args.threads, repeats))
+        results.update(generation(generator, args.threads, 2 if args.quick else 4, repeats))
     results.update(ratios(results))
     results["seconds"] = time.perf_counter() - started
     # Near 1 with one thread on an idle machine; lower when other processes took the cores.
     results["cpu_seconds_per_second"] = (time.process_time() - cpu_started) / results["seconds"]
+    models = {"translator": translator.describe(translator_info), "generator": generator.describe(generator_info)}
     notes = [
         "ours_int8: int8 linear layers and output projection, one scale per token and per output channel (model/quantize.py)",
         f"translation: {BATCH_SENTENCES} sentences in flight for every system (our engine: {BATCH_SENTENCES} x beam size slots)",
-        "tokenization: ours and CTranslate2 with our sentencepiece model, transformers with the exported AutoTokenizer (same ids)",
+        tokenization_note("translator", translator),
+        tokenization_note("generator", generator),
         "outputs: the peers stop a batch at its longest sentence's limit, ours each sentence at its own (same_as_ours below 1)",
+        *(f"{name}: {m['path']} ({m['kind']})" for name, m in models.items()),
     ]
-    (args.out / "peers.json").write_text(json.dumps({**results, "notes": notes}, indent=2) + "\n")
-    plot(results, args.out / "peers.png")
+    report = {**results, "models": models, "notes": notes}
+    (out / "peers.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(results, out / "peers.png")
     print(f"{'metric':45s} value")
     for key, value in results.items():
         print(f"{key:45s} {value:10.2f}")
     for note in notes:
         print(f"note: {note}")
+    print(f"wrote {out / 'peers.json'} and {out / 'peers.png'}")
     if args.json:
-        print(json.dumps({**results, "notes": notes}))
+        print(json.dumps(report))
 
 
 if __name__ == "__main__":

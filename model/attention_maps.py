@@ -17,7 +17,6 @@ from model.attention import MultiHeadAttention
 from model.generator import Generator
 from model.layers import DecoderLayer
 from model.masks import padding_mask
-from model.tokenizer import BOS_ID
 from model.translator import Translator
 
 
@@ -48,7 +47,7 @@ def cross_attention(model: Translator, source_ids: list[int], target_ids: list[i
     target_ids, row t being the decoder step that produced target_ids[t]. source_ids end with eos."""
     device = next(model.parameters()).device
     src = torch.tensor([source_ids], device=device)  # (1, S)
-    tgt_in = torch.tensor([[BOS_ID, *target_ids[:-1]]], device=device)  # (1, T): the step that made token t sees tokens < t
+    tgt_in = torch.tensor([[model.config.start_id, *target_ids[:-1]]], device=device)  # (1, T): the step that made token t sees tokens < t
     modules = []
     for layer in model.decoder_layers:
         assert isinstance(layer, DecoderLayer) and layer.src_attn is not None

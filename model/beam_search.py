@@ -13,22 +13,23 @@ from torch import Tensor
 
 from model.kv_cache import KVCache
 from model.masks import padding_mask
-from model.tokenizer import BOS_ID, EOS_ID
+from model.sampling import suppress, suppressed_index
 from model.translator import Translator
 
 
 @dataclass
 class Hypothesis:
-    tokens: list[int]  # generated ids, without bos/eos
+    tokens: list[int]  # generated ids, without the decoder's start token and eos
     score: float  # sum of log-probabilities / length ** length_penalty
 
 
 class BeamState:
-    """Live beams of one sentence. Finishes when beam_size hypotheses have ended (early stopping)
-    or max_new_tokens is reached."""
+    """Live beams of one sentence. A hypothesis ends with eos_id (the model's); the search finishes
+    when beam_size hypotheses have ended (early stopping) or max_new_tokens is reached."""
 
-    def __init__(self, beam_size: int, max_new_tokens: int, length_penalty: float = 1.0) -> None:
+    def __init__(self, beam_size: int, max_new_tokens: int, eos_id: int, length_penalty: float = 1.0) -> None:
         self.beam_size = beam_size
+        self.eos_id = eos_id
         self.max_new_tokens = max_new_tokens
         self.length_penalty = length_penalty
         self.scores = torch.full((beam_size,), float("-inf"))
@@ -47,7 +48,7 @@ class BeamState:
         parents, tokens, scores = [], [], []
         for rank, (score, index) in enumerate(zip(top_scores, top_index, strict=True)):
             parent, token = divmod(index, vocab_size)
-            if token == EOS_ID:
+            if token == self.eos_id:
                 if rank < K:  # an ending only counts if it is among the K best candidates
                     sequence = self.sequences[parent]
                     self.finished.append(Hypothesis(sequence, self._normalised(score, len(sequence) + 1)))
@@ -101,8 +102,9 @@ def step_beams(states: list[BeamState], log_probs: Tensor) -> list[tuple[list[in
 def beam_search(
     model: Translator, src: Tensor, beam_size: int, max_new_tokens: int | list[int], length_penalty: float = 1.0, n_best: int = 1
 ) -> list[list[Hypothesis]]:
-    """Translates src (B, S) right-padded; returns the n_best hypotheses of each sentence.
-    max_new_tokens: one limit for all, or one per sentence."""
+    """Translates src (B, S), right-padded with the model's pad_id; returns the n_best hypotheses of
+    each sentence. max_new_tokens: one limit for all, or one per sentence. The config's
+    suppressed_ids are never generated."""
     B, K = src.shape[0], beam_size
     c = model.config
     limits = [min(m, c.max_len - 1) for m in (max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B)]
@@ -112,8 +114,9 @@ def beam_search(
     src_mask = padding_mask(src, c.pad_id).repeat_interleave(K, dim=0)  # (B*K, 1, 1, S)
     n_layers = len(model.decoder_layers)
     cache = KVCache(n_layers, B * K, c.n_heads, max_new_tokens + 1, c.head_dim, src.device, memory.dtype)
-    states = [BeamState(K, limit, length_penalty) for limit in limits]
-    tokens = torch.full((B * K,), BOS_ID, dtype=torch.long, device=src.device)
+    states = [BeamState(K, limit, c.eos_id, length_penalty) for limit in limits]
+    suppressed = suppressed_index(c.suppressed_ids, src.device)
+    tokens = torch.full((B * K,), c.start_id, dtype=torch.long, device=src.device)
     for t in range(max_new_tokens):
         active = [i for i, s in enumerate(states) if not s.done]
         if not active:
@@ -128,7 +131,7 @@ def beam_search(
             caches=list(cache.views(rows, positions, t + 1)),
             cache_length=t + 1,
         )  # (A*K, 1, V)
-        log_probs = F.log_softmax(logits[:, -1].float(), dim=-1).view(len(active), K, -1)
+        log_probs = F.log_softmax(suppress(logits[:, -1].float(), suppressed), dim=-1).view(len(active), K, -1)
         moves = step_beams([states[i] for i in active], log_probs.view(len(active) * K, -1))
         src_rows = [p + i * K for i, (parents, _) in zip(active, moves, strict=True) for p in parents]
         cache.copy_slots(torch.tensor(src_rows, device=src.device), rows)

@@ -1,23 +1,28 @@
-"""Checkpoint folders: config.json, model.safetensors, tokenizer.model, training.json. Nothing is unpickled."""
+"""Checkpoint folders: config.json, model.safetensors, tokenizer.model, training.json. Nothing is unpickled.
+
+load_checkpoint also reads Hugging Face folders (MarianMT, GPT-NeoX: model/hf_folder.py); which
+kind a folder is, model/folder.py tells from its config.json."""
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from model.config import GeneratorConfig, ModelConfig, TranslatorConfig
+from model.folder import inspect_folder
 from model.generator import Generator
+from model.hf_folder import load_hf_folder
 from model.paths import DEFAULT_GENERATOR as DEFAULT_GENERATOR
 from model.paths import DEFAULT_TRANSLATOR as DEFAULT_TRANSLATOR
-from model.quantize import quantize_int8
-from model.tokenizer import Tokenizer
+from model.quantize import WeightType as WeightType
+from model.quantize import place
+from model.tokenizer import TextTokenizer, Tokenizer
 from model.translator import Translator
 
 Model = Translator | Generator
-WeightType = torch.dtype | Literal["int8"]  # "int8": float32 quantised for the CPU (model/quantize.py)
 
 
 def build_model(config: ModelConfig) -> Model:
@@ -50,15 +55,24 @@ def load_config(directory: Path) -> ModelConfig:
     return configs[data["architecture"]].from_dict(data)
 
 
-def load_checkpoint(directory: Path, device: str | torch.device = "cpu", dtype: WeightType = torch.float32) -> tuple[Model, Tokenizer]:
-    """The model in eval mode on device, in dtype (or with int8 weights, on the CPU), and its tokenizer."""
+def load_native_checkpoint(
+    directory: Path, device: str | torch.device = "cpu", dtype: WeightType = torch.float32
+) -> tuple[Model, Tokenizer]:
+    """One of our folders: the model in eval mode on device, in dtype (or with int8 weights, on the
+    CPU), and its sentencepiece tokenizer."""
     model = build_model(load_config(directory))
     state = load_file(str(directory / "model.safetensors"))
     model.load_state_dict({k: v.float() for k, v in state.items()})
-    model.to(device=device, dtype=torch.float32 if dtype == "int8" else dtype).eval()
-    if dtype == "int8":
-        quantize_int8(model)
+    place(model, device, dtype)
     return model, Tokenizer.load(directory / "tokenizer.model")
+
+
+def load_checkpoint(directory: Path, device: str | torch.device = "cpu", dtype: WeightType = torch.float32) -> tuple[Model, TextTokenizer]:
+    """Our folder or a Hugging Face one (model.folder.inspect_folder tells which; CheckpointError
+    when neither): the model in eval mode on device, in dtype (or int8 on the CPU), and its tokenizer."""
+    if inspect_folder(directory).hugging_face:
+        return load_hf_folder(directory, device, dtype)
+    return load_native_checkpoint(directory, device, dtype)
 
 
 def count_parameters(model: nn.Module) -> int:

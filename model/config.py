@@ -41,7 +41,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:
         fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}  # JSON lists back to tuples
+        values: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields
+        }  # JSON lists back to tuples
         return cls(**values)
 
     @classmethod

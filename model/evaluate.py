@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from sacrebleu.metrics.bleu import BLEU
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint, load_native_checkpoint
 from model.data import SHARED_DATA, read_lines, shakespeare_split
 from model.generator import Generator
 from model.lm_scoring import halves_nats_per_char, nats_per_char
@@ -60,7 +60,7 @@ def evaluate_translation(args: argparse.Namespace) -> dict[str, object]:
 
 
 def evaluate_lm(args: argparse.Namespace) -> dict[str, object]:
-    model, tokenizer = load_checkpoint(Path(args.checkpoint or DEFAULT_GENERATOR), args.device, weight_type(args))
+    model, tokenizer = load_native_checkpoint(Path(args.checkpoint or DEFAULT_GENERATOR), args.device, weight_type(args))
     assert isinstance(model, Generator), "the checkpoint is not a generator"
     text = Path(args.text).read_text(encoding="utf-8")
     started = time.perf_counter()
@@ -106,7 +106,7 @@ def evaluate_generator_validation(args: argparse.Namespace) -> dict[str, object]
     halves = {name: [text[b:e] for b, e in split.half(name)] for name in ("A", "B")}
     rows: list[dict[str, Any]] = []
     for folder in checkpoint_folders([Path(p) for p in args.checkpoints]):
-        model, tokenizer = load_checkpoint(folder, args.device)
+        model, tokenizer = load_native_checkpoint(folder, args.device)
         assert isinstance(model, Generator), f"{folder} is not a generator"
         scores = halves_nats_per_char(model, tokenizer, halves, torch.device(args.device))
         rows.append({"checkpoint": str(folder), **{name: round(value, 4) for name, value in scores.items()}})

@@ -52,7 +52,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from model.checkpoint import load_checkpoint
+from model.checkpoint import load_native_checkpoint
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
 from model.layers import DecoderLayer, EncoderLayer
@@ -262,7 +262,7 @@ def save_fast_tokenizer(tokenizer: Tokenizer, out: Path, max_len: int) -> None:
 
 def export_hf(checkpoint: Path, out: Path) -> None:
     """Writes a transformers folder (config, safetensors weights, generation config, tokenizer)."""
-    model, tokenizer = load_checkpoint(checkpoint)
+    model, tokenizer = load_native_checkpoint(checkpoint)
     out.mkdir(parents=True, exist_ok=True)
     hf_model: MarianMTModel | GPTNeoXForCausalLM
     if isinstance(model, Translator):
@@ -376,7 +376,7 @@ def ct2_generator_spec(model: Generator, tokenizer: Tokenizer) -> Any:
 def export_ct2(checkpoint: Path, out: Path, quantization: str | None = None) -> None:
     """Writes a CTranslate2 model folder (model.bin, config.json, vocabularies); quantization as
     ctranslate2's converters take it (e.g. int8), float32 weights when None."""
-    model, tokenizer = load_checkpoint(checkpoint)
+    model, tokenizer = load_native_checkpoint(checkpoint)
     with torch.no_grad():
         spec = ct2_translator_spec(model, tokenizer) if isinstance(model, Translator) else ct2_generator_spec(model, tokenizer)
     spec.validate()

@@ -1,4 +1,7 @@
-"""Decoder-only Transformer language model, laid out as GPT-NeoX (sequential residual, rotary positions)."""
+"""Decoder-only Transformer language model, laid out as GPT-NeoX (sequential residual, rotary positions).
+
+A Hugging Face GPT-NeoX folder (Pythia; model/hf_folder.py) may use the parallel residual, rotate
+part of each head, and untie the output projection (lm_head)."""
 
 from collections.abc import Sequence
 
@@ -16,14 +19,27 @@ class Generator(nn.Module):
         c = config
         self.config = c
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
-        self.positions = PositionEncoder(c.positions, c.max_len, c.d_model, c.n_heads)
+        self.positions = PositionEncoder(
+            c.positions, c.max_len, c.d_model, c.n_heads, rotary_fraction=c.rotary_fraction, rope_base=c.rope_base
+        )
         self.dropout = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(
-            DecoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.activation, c.norm_first, cross_attention=False)
+            DecoderLayer(
+                c.d_model,
+                c.n_heads,
+                c.d_ff,
+                c.dropout,
+                c.activation,
+                c.norm_first,
+                cross_attention=False,
+                norm_eps=c.norm_eps,
+                parallel_residual=c.parallel_residual,
+            )
             for _ in range(c.n_layers)
         )
-        self.final_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
-        self.output_projection: nn.Module | None = None  # set by model.packed_linear or model.quantize; None: tied
+        self.final_norm = nn.LayerNorm(c.d_model, eps=c.norm_eps) if c.norm_first else nn.Identity()
+        self.lm_head: nn.Module | None = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.output_projection: nn.Module | None = None  # tied only: set by model.packed_linear or model.quantize
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -48,4 +64,5 @@ class Generator(nn.Module):
         x = self.dropout(self.positions.embed(self.embed(ids), positions))  # (B, T, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, rope, caches[i] if caches is not None else None)
-        return project_logits(self.final_norm(x), self.embed, self.output_projection)
+        head = self.output_projection if self.output_projection is not None else self.lm_head
+        return project_logits(self.final_norm(x), self.embed, head)

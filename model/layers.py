@@ -1,12 +1,20 @@
 """The boxes of the Transformer diagram: feed-forward, encoder layer, decoder layer, pre-/post-LN residuals."""
 
 from collections.abc import Callable
+from functools import partial
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.attention import MultiHeadAttention, SelfAttentionCache
 from model.config import Activation
+
+ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu,
+    "gelu": F.gelu,  # the erf form
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+    "silu": F.silu,
+}
 
 
 class FeedForward(nn.Module):
@@ -16,7 +24,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
-        self.activation = F.relu if activation == "relu" else F.gelu
+        self.activation = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -26,27 +34,33 @@ class FeedForward(nn.Module):
 class Residual(nn.Module):
     """x + Sublayer(x) with its LayerNorm: before the sublayer (pre-LN) or after the sum (post-LN, the paper)."""
 
-    def __init__(self, d_model: int, dropout: float, norm_first: bool) -> None:
+    def __init__(self, d_model: int, dropout: float, norm_first: bool, norm_eps: float) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(d_model)
+        self.norm = nn.LayerNorm(d_model, eps=norm_eps)
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
+    def branch(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        """The pre-LN branch, Sublayer(LayerNorm(x)), without the residual."""
+        return self.dropout(sublayer(self.norm(x)))
+
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         if self.norm_first:
-            return x + self.dropout(sublayer(self.norm(x)))
+            return x + self.branch(x, sublayer)
         return self.norm(x + self.dropout(sublayer(x)))
 
 
 class EncoderLayer(nn.Module):
     """Self-attention over the source, then feed-forward."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, activation: Activation, norm_first: bool) -> None:
+    def __init__(
+        self, d_model: int, n_heads: int, d_ff: int, dropout: float, activation: Activation, norm_first: bool, norm_eps: float
+    ) -> None:
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
         self.feed_forward = FeedForward(d_model, d_ff, activation, dropout)
-        self.attn_residual = Residual(d_model, dropout, norm_first)
-        self.ff_residual = Residual(d_model, dropout, norm_first)
+        self.attn_residual = Residual(d_model, dropout, norm_first, norm_eps)
+        self.ff_residual = Residual(d_model, dropout, norm_first, norm_eps)
 
     def forward(self, x: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """x: (B, S, d_model); mask: (B, 1, 1|S, S). Returns (B, S, d_model)."""
@@ -55,7 +69,10 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Masked self-attention, cross-attention over the encoder output (encoder-decoder only), feed-forward."""
+    """Masked self-attention, cross-attention over the encoder output (encoder-decoder only), feed-forward.
+
+    parallel_residual (pre-LN, decoder-only: GPT-NeoX): x + Attn(LN1(x)) + FFN(LN2(x)), both
+    branches reading the same x; otherwise the sublayers run one after the other."""
 
     def __init__(
         self,
@@ -66,14 +83,18 @@ class DecoderLayer(nn.Module):
         activation: Activation,
         norm_first: bool,
         cross_attention: bool,
+        norm_eps: float,
+        parallel_residual: bool = False,
     ) -> None:
         super().__init__()
+        assert not parallel_residual or (norm_first and not cross_attention), "a parallel residual is pre-LN and decoder-only"
         self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
-        self.attn_residual = Residual(d_model, dropout, norm_first)
+        self.attn_residual = Residual(d_model, dropout, norm_first, norm_eps)
         self.src_attn = MultiHeadAttention(d_model, n_heads, dropout, cross=True) if cross_attention else None
-        self.src_residual = Residual(d_model, dropout, norm_first) if cross_attention else None
+        self.src_residual = Residual(d_model, dropout, norm_first, norm_eps) if cross_attention else None
         self.feed_forward = FeedForward(d_model, d_ff, activation, dropout)
-        self.ff_residual = Residual(d_model, dropout, norm_first)
+        self.ff_residual = Residual(d_model, dropout, norm_first, norm_eps)
+        self.parallel_residual = parallel_residual
 
     def forward(
         self,
@@ -89,7 +110,13 @@ class DecoderLayer(nn.Module):
         H, S, D), and memory_mask (B / memory_group, 1, 1, S): each memory_group consecutive rows of x
         attend to one source (a sentence's beams), whose keys are then read once for all of them.
         Returns (B, T, d_model)."""
-        x = self.attn_residual(x, lambda h: self.self_attn(h, mask=self_mask, rope=rope, cache=cache)[0])
+
+        def self_attention(h: Tensor) -> Tensor:
+            return self.self_attn(h, mask=self_mask, rope=rope, cache=cache)[0]
+
+        if self.parallel_residual:
+            return x + self.attn_residual.branch(x, self_attention) + self.ff_residual.branch(x, self.feed_forward)
+        x = self.attn_residual(x, self_attention)
         if self.src_attn is not None and self.src_residual is not None:
             assert memory_kv is not None, "an encoder-decoder layer needs the encoder output"
             src_attn = self.src_attn
@@ -103,10 +130,12 @@ class DecoderLayer(nn.Module):
         return self.ff_residual(x, self.feed_forward)
 
 
-def project_logits(h: Tensor, embed: nn.Embedding, output_projection: nn.Module | None) -> Tensor:
-    """(B, T, d_model) -> (B, T, vocab): the embedding table transposed (tied output), or the
-    model's packed or int8 copy of it (`output_projection`, set by model.packed_linear or model.quantize)."""
-    return output_projection(h) if output_projection is not None else h @ embed.weight.T
+def project_logits(h: Tensor, embed: nn.Embedding, head: nn.Module | None, bias: Tensor | None = None) -> Tensor:
+    """(B, T, d_model) -> (B, T, vocab): the embedding table transposed (tied output) or `head`
+    (an untied model's lm_head, or the packed or int8 copy of the tied table that model.packed_linear
+    or model.quantize set as output_projection), plus the logits bias if the model has one (Marian's)."""
+    logits = head(h) if head is not None else h @ embed.weight.T
+    return logits if bias is None else logits + bias
 
 
 def replace_linear_layers(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> None:

@@ -80,12 +80,13 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear_layers(model: Translator | Generator) -> None:
-    """Replaces, in place, every nn.Linear of a float32 CPU model in eval mode by a PackedLinear, and
-    gives the model a packed output projection (copies of the embedding table: the two no longer
-    share memory, so the packed model is for inference only)."""
+    """Replaces, in place, every nn.Linear of a float32 CPU model in eval mode (an untied lm_head
+    among them) by a PackedLinear, and gives a tied model a packed output projection (copies of the
+    embedding table: the two no longer share memory, so the packed model is for inference only)."""
     parameter = next(model.parameters())
     assert parameter.device.type == "cpu" and parameter.dtype == torch.float32, "packing is for float32 weights on the CPU"
     assert packing_available(), "this torch build has no oneDNN"
     replace_linear_layers(model, lambda linear: PackedLinear(linear.weight, linear.bias))
-    model.output_projection = PackedLinear(model.embed.weight, None)
+    if model.lm_head is None:
+        model.output_projection = PackedLinear(model.embed.weight, None)
     model.eval()

@@ -5,17 +5,23 @@ import math
 import torch
 from torch import Tensor, nn
 
+from model.config import SinusoidLayout
 from model.masks import causal_mask, positions_mask
 
 
-def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
-    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)). Shape (max_len, d_model)."""
+def sinusoidal_table(max_len: int, d_model: int, layout: SinusoidLayout = "interleaved") -> Tensor:
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(pos / 10000^(2i/d)). Shape (max_len, d_model).
+
+    layout "halves" (Marian) puts the same sines in dims 0..d/2-1 and the cosines in d/2..d-1."""
     assert d_model % 2 == 0, "d_model must be even"
     position = torch.arange(max_len, dtype=torch.float64)[:, None]  # (L, 1)
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
     table = torch.zeros(max_len, d_model, dtype=torch.float64)
-    table[:, 0::2] = torch.sin(position * inv_freq)
-    table[:, 1::2] = torch.cos(position * inv_freq)
+    sines, cosines = (
+        (slice(0, d_model // 2), slice(d_model // 2, d_model)) if layout == "halves" else (slice(0, None, 2), slice(1, None, 2))
+    )
+    table[:, sines] = torch.sin(position * inv_freq)
+    table[:, cosines] = torch.cos(position * inv_freq)
     return table.float()
 
 
@@ -32,11 +38,15 @@ def rope_tables(max_len: int, head_dim: int, base: float = 10000.0) -> tuple[Ten
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotates each (x_i, x_{i+D/2}) pair of x by its position's angle.
+    """Rotates each (x_i, x_{i+R/2}) pair of x's first R dims by its position's angle; the other
+    D - R dims pass through (partial rotary, GPT-NeoX's rotary_pct).
 
     x: (B, H, T, D) (any number of heads: queries and keys may come together); cos, sin:
-    (B, 1, T, D) already gathered at the tokens' positions.
+    (B, 1, T, R), R <= D, already gathered at the tokens' positions.
     """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)  # (B, H, T, D)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (B, H, T, D)
     return x * cos + rotated * sin
@@ -68,10 +78,20 @@ def alibi_bias(slopes: Tensor, query_positions: Tensor, key_positions: Tensor) -
 class PositionEncoder(nn.Module):
     """Applies the configured kind of positional information; the other two hooks are no-ops.
 
-    sinusoidal: added to the token embeddings; rope: rotates queries and keys; alibi: biases scores.
+    sinusoidal: added to the token embeddings (in sinusoid_layout); rope: rotates the first
+    rotary_fraction of each head's dims of queries and keys, with base rope_base; alibi: biases scores.
     """
 
-    def __init__(self, kind: str, max_len: int, d_model: int, n_heads: int) -> None:
+    def __init__(
+        self,
+        kind: str,
+        max_len: int,
+        d_model: int,
+        n_heads: int,
+        sinusoid_layout: SinusoidLayout = "interleaved",
+        rotary_fraction: float = 1.0,
+        rope_base: float = 10000.0,
+    ) -> None:
         super().__init__()
         self.kind = kind
         self.table: Tensor
@@ -79,9 +99,9 @@ class PositionEncoder(nn.Module):
         self.sin: Tensor
         self.slopes: Tensor
         if kind == "sinusoidal":
-            self.register_buffer("table", sinusoidal_table(max_len, d_model), persistent=False)
+            self.register_buffer("table", sinusoidal_table(max_len, d_model, sinusoid_layout), persistent=False)
         elif kind == "rope":
-            cos, sin = rope_tables(max_len, d_model // n_heads)
+            cos, sin = rope_tables(max_len, int(d_model // n_heads * rotary_fraction), rope_base)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
         elif kind == "alibi":
@@ -94,7 +114,7 @@ class PositionEncoder(nn.Module):
         return x + self.table[positions] if self.kind == "sinusoidal" else x
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor] | None:
-        """(cos, sin) at positions (B, T), each (B, 1, T, head_dim)."""
+        """(cos, sin) at positions (B, T), each (B, 1, T, R): R the rotated dims of a head."""
         if self.kind != "rope":
             return None
         return self.cos[positions][:, None], self.sin[positions][:, None]

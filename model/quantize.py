@@ -9,6 +9,8 @@ The weights are four times smaller; the outputs differ from float32's by roundin
 held to quality bounds (tests/model/test_quantize.py).
 """
 
+from typing import Literal
+
 import torch
 from torch import Tensor, nn
 
@@ -17,6 +19,7 @@ from model.layers import replace_linear_layers
 from model.translator import Translator
 
 INT8_MAX = 127
+WeightType = torch.dtype | Literal["int8"]  # "int8": float32 quantised for the CPU (below)
 
 
 def _row_scales(x: Tensor) -> Tensor:
@@ -56,10 +59,18 @@ class Int8Linear(nn.Module):
 
 
 def quantize_int8(model: Translator | Generator) -> None:
-    """Replaces, in place, every nn.Linear of a float32 CPU model by an Int8Linear, and gives it an
-    int8 output projection (until now the embedding table read transposed; the embedding itself
-    stays float32)."""
+    """Replaces, in place, every nn.Linear of a float32 CPU model (an untied lm_head among them) by
+    an Int8Linear, and gives a tied model an int8 output projection (until now the embedding table
+    read transposed; the embedding itself stays float32). A logits bias stays float32."""
     assert next(model.parameters()).device.type == "cpu", "int8 weights run on the CPU only"
     replace_linear_layers(model, Int8Linear.from_linear)
-    model.output_projection = Int8Linear(model.embed.weight, None)
+    if model.lm_head is None:
+        model.output_projection = Int8Linear(model.embed.weight, None)
     model.eval()
+
+
+def place(model: Translator | Generator, device: str | torch.device, weights: WeightType) -> None:
+    """Moves a float32 model, in place, to device in eval mode with weights of the given type."""
+    model.to(device=device, dtype=torch.float32 if weights == "int8" else weights).eval()
+    if weights == "int8":
+        quantize_int8(model)

@@ -38,6 +38,17 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+def suppressed_index(ids: tuple[int, ...], device: torch.device) -> Tensor | None:
+    """The never-generated ids (a config's suppressed_ids) as the index `suppress` takes; None when empty."""
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+
+def suppress(logits: Tensor, index: Tensor | None) -> Tensor:
+    """logits (..., V) with the ids of index set to -inf, in place (one index_fill_ on the vocab
+    dim); unchanged when index is None. Returns logits."""
+    return logits if index is None else logits.index_fill_(-1, index, float("-inf"))
+
+
 def sample_next(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
     """One next token per row. logits: (B, V) -> (B,) token ids.
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import load_checkpoint, save_checkpoint
+from model.checkpoint import load_native_checkpoint, save_checkpoint
 
 
 def main() -> None:
@@ -20,7 +20,7 @@ def main() -> None:
     parser.add_argument("destination", type=Path)
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     args = parser.parse_args()
-    model, tokenizer = load_checkpoint(args.source)
+    model, tokenizer = load_native_checkpoint(args.source)
     training = json.loads((args.source / "training.json").read_text())
     training["stored_dtype"] = args.dtype
     save_checkpoint(args.destination, model, tokenizer, training, dtype=getattr(torch, args.dtype))

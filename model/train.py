@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model.checkpoint import Model, build_model, count_parameters, load_checkpoint, save_checkpoint
+from model.checkpoint import Model, build_model, count_parameters, load_native_checkpoint, save_checkpoint
 from model.config import GeneratorConfig, ModelConfig, TranslatorConfig
 from model.data import (
     SHARED_DATA,
@@ -140,7 +140,7 @@ def initial_model(
     tokenizer), or a new tokenizer and a freshly initialised preset model with `fields` replaced.
     Seeds torch with --seed."""
     if args.init_from:
-        model, tokenizer = load_checkpoint(Path(args.init_from))
+        model, tokenizer = load_native_checkpoint(Path(args.init_from))
         if not isinstance(model.config, config_type):
             raise SystemExit(f"--init-from {args.init_from} holds a {type(model.config).__name__}, not a {config_type.__name__}")
         for name, value in fields.items():
@@ -325,7 +325,11 @@ def translator_job(args: argparse.Namespace) -> Job:
     files = [data / f"{split}.{lang}.gz" for split in ("train", "val") for lang in ("en", args.target_lang)]
     train_en, train_tgt, val_en, val_tgt = (read_lines(f) for f in files)
     model, tokenizer = initial_model(
-        args, TranslatorConfig, lambda: Tokenizer.train(train_en + train_tgt, args.vocab_size), source_lang="en", target_lang=args.target_lang
+        args,
+        TranslatorConfig,
+        lambda: Tokenizer.train(train_en + train_tgt, args.vocab_size),
+        source_lang="en",
+        target_lang=args.target_lang,
     )
     assert isinstance(model, Translator)
     trainer = Trainer(args, model, tokenizer)

@@ -4,10 +4,10 @@ import torch
 from torch import Tensor
 
 from model.beam_search import beam_search
-from model.data import pad
 from model.kv_cache import KVCache
 from model.masks import padding_mask
-from model.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from model.sampling import suppress, suppressed_index
+from model.tokenizer import TextTokenizer
 from model.translator import Translator
 
 
@@ -17,11 +17,20 @@ def max_new_tokens_for(source_length: int, max_len: int) -> int:
     return min(2 * source_length + 10, max_len - 1)
 
 
+def pad_batch(sequences: list[list[int]], pad_id: int) -> Tensor:
+    """Right-pads with pad_id (the model's) into (B, longest)."""
+    out = torch.full((len(sequences), max(len(s) for s in sequences)), pad_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
 @torch.no_grad()
 def greedy_translate(model: Translator, src: Tensor, max_new_tokens: int | list[int]) -> list[list[int]]:
-    """Greedy translation of src (B, S) with the KV cache; the cross-attention keys/values are
-    computed once. max_new_tokens: one limit for all, or one per sentence.
-    Returns each sentence's ids without bos/eos."""
+    """Greedy translation of src (B, S), right-padded with the model's pad_id, with the KV cache;
+    the cross-attention keys/values are computed once. max_new_tokens: one limit for all, or one
+    per sentence. Returns each sentence's ids without the start token and eos; the config's
+    suppressed_ids are never generated."""
     B = src.shape[0]
     c = model.config
     limits = torch.tensor(max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B, device=src.device)
@@ -31,17 +40,18 @@ def greedy_translate(model: Translator, src: Tensor, max_new_tokens: int | list[
     src_mask = padding_mask(src, c.pad_id)
     cache = KVCache(len(model.decoder_layers), B, c.n_heads, max_new_tokens + 1, c.head_dim, src.device, memory_kv[0][0].dtype)
     slots = torch.arange(B, device=src.device)
-    tokens = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
+    suppressed = suppressed_index(c.suppressed_ids, src.device)
+    tokens = torch.full((B,), c.start_id, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     out: list[list[int]] = [[] for _ in range(B)]
     for t in range(max_new_tokens):
         positions = torch.full((B, 1), t, device=src.device)
         logits = model.decode(tokens[:, None], memory_kv, src_mask, positions, list(cache.views(slots, positions, t + 1)), t + 1)
-        tokens = logits[:, -1].argmax(-1).masked_fill(done, EOS_ID)  # (B,)
+        tokens = suppress(logits[:, -1], suppressed).argmax(-1).masked_fill(done, c.eos_id)  # (B,)
         for i, token in enumerate(tokens.tolist()):
-            if not done[i] and token != EOS_ID:
+            if not done[i] and token != c.eos_id:
                 out[i].append(token)
-        done |= (tokens == EOS_ID) | (limits <= t + 1)
+        done |= (tokens == c.eos_id) | (limits <= t + 1)
         if bool(done.all()):
             break
     return out
@@ -49,7 +59,7 @@ def greedy_translate(model: Translator, src: Tensor, max_new_tokens: int | list[
 
 def translate_sentences(
     model: Translator,
-    tokenizer: Tokenizer,
+    tokenizer: TextTokenizer,
     sentences: list[str],
     beam_size: int = 1,
     length_penalty: float = 1.0,
@@ -58,13 +68,14 @@ def translate_sentences(
 ) -> list[list[str]]:
     """n_best translations of each sentence (greedy when beam_size is 1), in input order."""
     device = next(model.parameters()).device
-    ids = [s[: model.config.max_len - 1] + [EOS_ID] for s in tokenizer.encode_batch(sentences)]
+    c = model.config
+    ids = [s[: c.max_len - 1] + [c.eos_id] for s in tokenizer.encode_batch(sentences)]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     results: list[list[str]] = [[] for _ in sentences]
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        src = pad([ids[i] for i in chunk]).to(device)
-        limits = [max_new_tokens_for(len(ids[i]), model.config.max_len) for i in chunk]
+        src = pad_batch([ids[i] for i in chunk], c.pad_id).to(device)
+        limits = [max_new_tokens_for(len(ids[i]), c.max_len) for i in chunk]
         if beam_size == 1:
             outputs = [[tokens] for tokens in greedy_translate(model, src, limits)]
         else:

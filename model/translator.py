@@ -1,7 +1,9 @@
 """Encoder-decoder Transformer for translation (Vaswani et al. 2017), laid out as MarianMT.
 
 Post-LN layers, sinusoidal positions, one embedding table shared by source, target and the
-output projection, embeddings scaled by sqrt(d_model).
+output projection, embeddings scaled by sqrt(d_model). A Hugging Face Marian folder (model/hf_folder.py)
+may untie the output projection (lm_head), add a bias to the logits (its final_logits_bias) and lay
+the sinusoids out in halves.
 """
 
 import math
@@ -23,20 +25,23 @@ class Translator(nn.Module):
         c = config
         self.config = c
         self.embed = nn.Embedding(c.vocab_size, c.d_model, padding_idx=c.pad_id)
-        self.embed_scale = math.sqrt(c.d_model)
-        self.positions = PositionEncoder(c.positions, c.max_len, c.d_model, c.n_heads)
+        self.embed_scale = math.sqrt(c.d_model) if c.scale_embedding else 1.0
+        self.positions = PositionEncoder(c.positions, c.max_len, c.d_model, c.n_heads, c.sinusoid_layout)
         self.dropout = nn.Dropout(c.dropout)
         self.encoder_layers = nn.ModuleList(
-            EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.activation, c.norm_first) for _ in range(c.n_encoder_layers)
+            EncoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.activation, c.norm_first, c.norm_eps) for _ in range(c.n_encoder_layers)
         )
         self.decoder_layers = nn.ModuleList(
-            DecoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.activation, c.norm_first, cross_attention=True)
+            DecoderLayer(c.d_model, c.n_heads, c.d_ff, c.dropout, c.activation, c.norm_first, cross_attention=True, norm_eps=c.norm_eps)
             for _ in range(c.n_decoder_layers)
         )
         # Pre-LN stacks end with a LayerNorm; post-LN ones are already normalised.
-        self.encoder_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
-        self.decoder_norm = nn.LayerNorm(c.d_model) if c.norm_first else nn.Identity()
-        self.output_projection: nn.Module | None = None  # set by model.packed_linear or model.quantize; None: tied
+        self.encoder_norm = nn.LayerNorm(c.d_model, eps=c.norm_eps) if c.norm_first else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(c.d_model, eps=c.norm_eps) if c.norm_first else nn.Identity()
+        self.lm_head: nn.Module | None = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.logits_bias: Tensor | None
+        self.register_buffer("logits_bias", torch.zeros(c.vocab_size) if c.logits_bias else None)  # (V,)
+        self.output_projection: nn.Module | None = None  # tied only: set by model.packed_linear or model.quantize
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -97,7 +102,8 @@ class Translator(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             cache = caches[i] if caches is not None else None
             x = layer(x, self_mask, rope, cache, memory_kv[i], src_mask, memory_group)
-        return project_logits(self.decoder_norm(x), self.embed, self.output_projection)
+        head = self.output_projection if self.output_projection is not None else self.lm_head
+        return project_logits(self.decoder_norm(x), self.embed, head, self.logits_bias)
 
     def forward(self, src_ids: Tensor, tgt_ids: Tensor) -> Tensor:
         """Teacher-forced logits (B, T, vocab) for target inputs tgt_ids given source src_ids."""

@@ -28,6 +28,7 @@ FULL_TIER = {
     "tests/service/test_real_text.py": "real paragraphs through the real app",
     "tests/service/test_security.py": "keyed apps beside the session's",
     "tests/service/test_weight_types.py": "an app per weight type",
+    "tests/service/test_own_models.py": "python -m service on Hugging Face folders built in the test, its own Ray (1-2 minutes)",
     "tests/api/test_memory.py": "12,000 requests: a soak in-process (30 s)",
     "tests/api/test_security.py::test_the_playground_sends_the_key_it_is_given": "the browser",
     "tests/model/test_quantize.py::test_int8_translator_keeps_greedy_bleu_within": "BLEU on test_2016 twice (25 s)",

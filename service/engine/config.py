@@ -9,6 +9,12 @@ BatchingPolicy = Literal["continuous", "static"]
 # Why a request ended: eos or a stop string, its token limit, the caller left, the model failed, a deadline.
 FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 
+# The serving context when EngineConfig.max_context is None and the model's positions reach
+# further: the KV cache is preallocated for every slot at its full length (n_slots x context x
+# layers x d_model x 2 values), so a model of 2048 or more positions keeps a cache of this
+# length unless its entry asks for more. Our own checkpoints have 256.
+DEFAULT_MAX_CONTEXT = 1024
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +31,11 @@ class EngineConfig:
     # below Serve's request_timeout_s (deploy/serve_config.yaml) so the engine ends a request first.
     queue_timeout_s: float | None = 60.0
     request_timeout_s: float | None = 240.0
+    # Tokens per sequence the KV cache holds: a generator's prompt plus its output, a translator's
+    # source and, separately, its output (start token included). None: the model's max positions,
+    # at most DEFAULT_MAX_CONTEXT. Longer prompts are refused; more than the model's positions is
+    # an error at load.
+    max_context: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_slots < 1 or self.max_waiting < 1 or self.max_prefill_tokens < 1:
@@ -33,3 +44,15 @@ class EngineConfig:
             self.default_max_tokens is not None and self.default_max_tokens < 1
         ):
             raise ValueError("max_tokens_cap and default_max_tokens must be at least 1")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError("max_context must be at least 2 (a prompt token and one generated)")
+
+
+def serving_context(max_context: int | None, model_max_len: int) -> int:
+    """The context length the engine serves for a model of model_max_len positions, given
+    EngineConfig.max_context; raises ValueError when it asks for more than the model has."""
+    if max_context is None:
+        return min(model_max_len, DEFAULT_MAX_CONTEXT)
+    if max_context > model_max_len:
+        raise ValueError(f"max_context {max_context} is beyond the model's {model_max_len} positions; set max_context to at most that")
+    return max_context

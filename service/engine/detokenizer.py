@@ -3,11 +3,11 @@ holding back text that might still become a stop string."""
 
 import codecs
 
-from model.tokenizer import Tokenizer
+from model.tokenizer import TextTokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), strip_leading_space: bool = False) -> None:
+    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...] = (), strip_leading_space: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.strip_leading_space = strip_leading_space  # sentence tokenizers mark a word start with a space

@@ -11,7 +11,6 @@ import torch
 
 from model.checkpoint import WeightType, load_checkpoint
 from model.packed_linear import pack_linear_layers, packing_available
-from model.tokenizer import EOS_ID
 from service.engine.config import EngineConfig, FinishReason
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.errors import InvalidRequestError
@@ -79,7 +78,7 @@ class Engine:
         model, tokenizer = load_checkpoint(directory, device, dtype)
         if torch.device(device).type == "cpu" and dtype == torch.float32 and packing_available():
             pack_linear_layers(model)  # oneDNN GEMMs for the decode steps' many-row batches
-        return cls(runner_for(model, tokenizer, config.n_slots), config)
+        return cls(runner_for(model, tokenizer, config.n_slots, config.max_context), config)
 
     def max_tokens_limit(self, prompt_length: int) -> int:
         """The most tokens a request with this prompt may ask for."""
@@ -191,7 +190,7 @@ class Engine:
         if token is None:
             return None  # a beam search still running: nothing to stream
         self._token_timing(r, now, 1, report)
-        if token == EOS_ID:
+        if token == self.runner.eos_id:
             self.scheduler.finish(r, "stop")
             return self._finish(r, "stop", report)
         r.output_ids.append(token)

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from model.tokenizer import Tokenizer
+from model.tokenizer import TextTokenizer
 from service.engine.runner import ModelRunner, RunnerOutput
 from service.engine.scheduler import SchedulerOutput
 
@@ -23,7 +23,8 @@ class FaultInjectingRunner:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.tokenizer: Tokenizer = runner.tokenizer
+        self.tokenizer: TextTokenizer = runner.tokenizer
+        self.eos_id = runner.eos_id
         self.max_prompt_len = runner.max_prompt_len
         self.strip_leading_space = runner.strip_leading_space
         self._lock = threading.Lock()

@@ -1,8 +1,9 @@
 """The generator's decode step with fixed shapes, captured as a CUDA graph on the GPU.
 
-Every slot takes part in every step (idle slots write to the last cache position, which a
-sequence overwrites before it reads it) and every step attends over max_len keys, so one graph
-serves all steps. On the CPU the same fixed-shape step runs eagerly (used to test it).
+Every slot takes part in every step (idle slots feed the model's pad and write to the last cache
+position, which a sequence overwrites before it reads it) and every step attends over the cache's
+whole length (the serving context), so one graph serves all steps. On the CPU the same
+fixed-shape step runs eagerly (used to test it). The runner suppresses ids in the logits it returns.
 """
 
 import torch
@@ -17,7 +18,8 @@ class FixedShapeDecoder:
         device = cache.keys[0].device
         n, self.max_len = cache.n_slots, cache.max_len
         self.model, self.cache = model, cache
-        self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)  # (N, 1) static input buffers
+        self.pad_id = model.config.pad_id
+        self.ids = torch.full((n, 1), self.pad_id, dtype=torch.long, device=device)  # (N, 1) static input buffers
         self.positions = torch.full((n, 1), self.max_len - 1, dtype=torch.long, device=device)
         self.slots = torch.arange(n, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -47,7 +49,7 @@ class FixedShapeDecoder:
         """Logits (B, V) of the next token for the sequences in `slots` fed `tokens` at `positions`."""
         assert max(positions) < self.max_len, "position beyond the cache"
         rows = torch.tensor(slots, device=self.ids.device)
-        self.ids.zero_()
+        self.ids.fill_(self.pad_id)
         self.positions.fill_(self.max_len - 1)
         self.ids[rows, 0] = torch.tensor(tokens, device=self.ids.device)
         self.positions[rows, 0] = torch.tensor(positions, device=self.ids.device)

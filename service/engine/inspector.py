@@ -9,10 +9,8 @@ import torch
 from model.attention_maps import cross_attention, self_attention
 from model.checkpoint import Model, load_checkpoint
 from model.generator import Generator
-from model.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from model.tokenizer import TextTokenizer
 from service.engine.errors import InvalidRequestError
-
-SPECIAL_TOKENS = {BOS_ID: "<s>", EOS_ID: "</s>"}
 
 
 class AttentionInspector:
@@ -21,10 +19,13 @@ class AttentionInspector:
     def __init__(self, checkpoint: Path, device: str = "cpu") -> None:
         self.checkpoint, self.device = checkpoint, device
         self._lock = threading.Lock()
-        self._loaded: tuple[Model, Tokenizer] | None = None
+        self._loaded: tuple[Model, TextTokenizer] | None = None
 
-    def _tokens(self, tokenizer: Tokenizer, ids: list[int]) -> tuple[str, ...]:
-        return tuple(SPECIAL_TOKENS.get(i) or tokenizer.piece_bytes(i).decode("utf-8", errors="replace") for i in ids)
+    @staticmethod
+    def _tokens(model: Model, tokenizer: TextTokenizer, ids: list[int]) -> tuple[str, ...]:
+        """Each token's text; the model's bos and eos as <s> and </s>."""
+        special = {model.config.bos_id: "<s>", model.config.eos_id: "</s>"}
+        return tuple(special.get(i) or tokenizer.piece_bytes(i).decode("utf-8", errors="replace") for i in ids)
 
     def attention(self, text: str, target: str | None = None) -> tuple[tuple[str, ...], tuple[str, ...], torch.Tensor]:
         """(source tokens, target tokens, weights (layers, heads, T, S)); raises
@@ -38,11 +39,11 @@ class AttentionInspector:
                 ids = tokenizer.encode(text)
                 if not 0 < len(ids) <= max_len:
                     raise InvalidRequestError(f"the text has {len(ids)} tokens; it needs 1 to {max_len}", "text")
-                tokens = self._tokens(tokenizer, ids)
+                tokens = self._tokens(model, tokenizer, ids)
                 return tokens, tokens, self_attention(model, ids)
-            source_ids = tokenizer.encode(text) + [EOS_ID]
-            target_ids = tokenizer.encode(target or "") + [EOS_ID]
+            source_ids = tokenizer.encode(text) + [model.config.eos_id]
+            target_ids = tokenizer.encode(target or "") + [model.config.eos_id]
             if len(source_ids) > max_len or len(target_ids) > max_len - 1:
                 raise InvalidRequestError(f"source and translation must be under {max_len} tokens each", "text")
             weights = cross_attention(model, source_ids, target_ids)
-            return self._tokens(tokenizer, source_ids), self._tokens(tokenizer, target_ids), weights
+            return self._tokens(model, tokenizer, source_ids), self._tokens(model, tokenizer, target_ids), weights

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.beam_search import BeamState, Hypothesis, step_beams
-from model.data import pad
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, KVCache
-from model.sampling import sample_next
-from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from model.translate import max_new_tokens_for
+from model.sampling import sample_next, suppress, suppressed_index
+from model.tokenizer import TextTokenizer
+from model.translate import max_new_tokens_for, pad_batch
 from model.translator import Translator
+from service.engine.config import serving_context
 from service.engine.fixed_shape import FixedShapeDecoder
 from service.engine.request import Request
 from service.engine.scheduler import SchedulerOutput
@@ -34,7 +34,11 @@ class RunnerOutput:
 
 
 class ModelRunner(Protocol):
-    tokenizer: Tokenizer
+    """Special ids are the model's (its config): eos_id ends a sequence, its suppressed_ids are
+    never generated, and sizes follow the serving context (EngineConfig.max_context)."""
+
+    tokenizer: TextTokenizer
+    eos_id: int  # a streamed sequence's token that ends it (never emitted as text)
     max_prompt_len: int  # longest prompt (generator) or source (translator), in tokens
     strip_leading_space: bool  # output text starts without the word-boundary space its first token carries
 
@@ -55,6 +59,7 @@ class ModelRunner(Protocol):
 
 
 def _sample(logits: Tensor, requests: list[Request]) -> list[int]:
+    """Each request's next token from its row of logits (B, V), suppressed ids already at -inf."""
     for r in requests:
         if r.rng is None and not r.params.sampling.greedy:
             seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
@@ -65,15 +70,25 @@ def _sample(logits: Tensor, requests: list[Request]) -> list[int]:
 class GeneratorRunner:
     """Decoder-only: batched prefill of new prompts, then one decode step for every running sequence."""
 
-    def __init__(self, model: Generator, tokenizer: Tokenizer, n_slots: int, fixed_shape_decode: bool | None = None) -> None:
-        """fixed_shape_decode: decode through a captured CUDA graph (default: on CUDA devices)."""
+    def __init__(
+        self,
+        model: Generator,
+        tokenizer: TextTokenizer,
+        n_slots: int,
+        fixed_shape_decode: bool | None = None,
+        max_context: int | None = None,
+    ) -> None:
+        """fixed_shape_decode: decode through a captured CUDA graph (default: on CUDA devices).
+        max_context: EngineConfig.max_context (None: its default), the cache's length."""
         c = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache(c.n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
-        self.max_len = c.max_len
-        self.max_prompt_len = c.max_len - 1
+        self.max_len = serving_context(max_context, c.max_len)  # prompt + output
+        self.cache = KVCache(c.n_layers, n_slots, c.n_heads, self.max_len, c.head_dim, self.device, dtype)
+        self.max_prompt_len = self.max_len - 1
+        self.bos_id, self.eos_id, self.pad_id = c.bos_id, c.eos_id, c.pad_id
+        self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = False  # a play's text keeps its layout
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
@@ -83,7 +98,8 @@ class GeneratorRunner:
         return self.max_len - prompt_length
 
     def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        """The text's ids; bos alone for text without tokens (generation from nothing)."""
+        return self.tokenizer.encode(text) or [self.bos_id]
 
     def default_max_tokens(self, prompt_length: int) -> int:
         return self.max_new_tokens(prompt_length)
@@ -104,13 +120,13 @@ class GeneratorRunner:
         return output
 
     def _prefill(self, requests: list[Request]) -> dict[str, int]:
-        ids = pad([r.prompt_ids for r in requests]).to(self.device)  # (B, T) right-padded
+        ids = pad_batch([r.prompt_ids for r in requests], self.pad_id).to(self.device)  # (B, T) right-padded
         B, T = ids.shape
         slots = [r.slots[0] for r in requests]
         positions = torch.arange(T, device=self.device).expand(B, T)
         logits = self.model(ids, positions, self.cache.views(slots, positions, T), T)  # (B, T, V)
         last = torch.tensor([len(r.prompt_ids) - 1 for r in requests], device=self.device)
-        tokens = _sample(logits[torch.arange(B, device=self.device), last], requests)
+        tokens = _sample(suppress(logits[torch.arange(B, device=self.device), last], self.suppressed), requests)
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
     def _decode(self, requests: list[Request]) -> dict[str, int]:
@@ -120,12 +136,14 @@ class GeneratorRunner:
                 [r.output_ids[-1] for r in requests],
                 [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests],
             )
-            tokens = _sample(logits, requests)
+            tokens = _sample(suppress(logits, self.suppressed), requests)
             return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
-        step = decode_step({r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests}, self.max_len, self.device)
+        fed = {r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests}
+        step = decode_step(fed, self.max_len, self.pad_id, self.device)
         views = self.cache.views(step.rows, step.positions, step.length)
         logits = self.model(step.ids, step.positions, views, step.length)[:, -1]  # (R, V)
-        tokens = _sample(logits.index_select(0, torch.tensor([step.row_of[r.slots[0]] for r in requests], device=self.device)), requests)
+        rows = torch.tensor([step.row_of[r.slots[0]] for r in requests], device=self.device)
+        tokens = _sample(suppress(logits.index_select(0, rows), self.suppressed), requests)
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
 
@@ -140,15 +158,15 @@ class DecodeStep:
 
     rows: list[int]  # from decode_rows
     row_of: dict[int, int]  # slot -> its row's index in the step's batch
-    ids: Tensor  # (R, 1) each row's token; idle rows a pad
+    ids: Tensor  # (R, 1) each row's token; idle rows the model's pad
     positions: Tensor  # (R, 1) where it goes; idle rows the last position, which every sequence writes before it reads it
     length: int  # keys attended over: the furthest position + 1
 
 
-def decode_step(fed: dict[int, tuple[int, int]], max_len: int, device: torch.device) -> DecodeStep:
-    """fed: slot -> (token, position) of every sequence running this step."""
+def decode_step(fed: dict[int, tuple[int, int]], max_len: int, pad_id: int, device: torch.device) -> DecodeStep:
+    """fed: slot -> (token, position) of every sequence running this step; max_len: the cache's length."""
     rows = decode_rows(list(fed))
-    idle = (PAD_ID, max_len - 1)
+    idle = (pad_id, max_len - 1)
     ids = torch.tensor([[fed.get(s, idle)[0]] for s in rows], device=device)  # (R, 1)
     positions = torch.tensor([[fed.get(s, idle)[1]] for s in rows], device=device)  # (R, 1)
     length = max(position for _, position in fed.values()) + 1
@@ -185,23 +203,27 @@ class TranslatorRunner:
     """Encoder-decoder: new sources are encoded once (their cross-attention keys/values written to
     their slots), then every running sequence, each beam a row, takes one decoder step together."""
 
-    def __init__(self, model: Translator, tokenizer: Tokenizer, n_slots: int) -> None:
+    def __init__(self, model: Translator, tokenizer: TextTokenizer, n_slots: int, max_context: int | None = None) -> None:
+        """max_context: EngineConfig.max_context (None: its default), the length of the source
+        (cross-attention) and target caches."""
         c = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         n_layers = len(model.decoder_layers)
-        self.cache = KVCache(n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
-        self.cross_cache = CrossAttentionCache(n_layers, n_slots, c.n_heads, c.max_len, c.head_dim, self.device, dtype)
-        self.max_len = c.max_len
-        self.max_prompt_len = c.max_len
+        self.max_len = serving_context(max_context, c.max_len)
+        self.cache = KVCache(n_layers, n_slots, c.n_heads, self.max_len, c.head_dim, self.device, dtype)
+        self.cross_cache = CrossAttentionCache(n_layers, n_slots, c.n_heads, self.max_len, c.head_dim, self.device, dtype)
+        self.max_prompt_len = self.max_len
+        self.start_id, self.eos_id, self.pad_id = c.start_id, c.eos_id, c.pad_id
+        self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
 
     def max_new_tokens(self, prompt_length: int) -> int:
-        return self.max_len - 1  # position 0 holds bos
+        return self.max_len - 1  # position 0 holds the start token
 
     def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text) + [EOS_ID]
+        return self.tokenizer.encode(text) + [self.eos_id]
 
     def default_max_tokens(self, prompt_length: int) -> int:
         return max_new_tokens_for(prompt_length, self.max_len)
@@ -221,21 +243,20 @@ class TranslatorRunner:
         return output
 
     def _encode(self, requests: list[Request]) -> None:
-        src = pad([r.prompt_ids for r in requests]).to(self.device)  # (B, S)
+        src = pad_batch([r.prompt_ids for r in requests], self.pad_id).to(self.device)  # (B, S)
         memory_kv = self.model.cross_key_values(self.model.encode(src))
         # Each beam row gets its own copy of its sentence's keys/values.
         rows = torch.tensor([i for i, r in enumerate(requests) for _ in r.slots], device=self.device)
         slots = torch.tensor([s for r in requests for s in r.slots], device=self.device)
-        self.cross_cache.write(slots, [(k[rows], v[rows]) for k, v in memory_kv], (src != self.model.config.pad_id)[rows])
+        self.cross_cache.write(slots, [(k[rows], v[rows]) for k, v in memory_kv], (src != self.pad_id)[rows])
         for r in requests:
             if r.params.beam_size > 1:
-                r.beams = BeamState(r.params.beam_size, r.max_tokens, r.params.length_penalty)
+                r.beams = BeamState(r.params.beam_size, r.max_tokens, self.eos_id, r.params.length_penalty)
 
-    @staticmethod
-    def _last_tokens(r: Request) -> list[int]:
-        """The token each of the request's rows feeds this step (bos first)."""
+    def _last_tokens(self, r: Request) -> list[int]:
+        """The token each of the request's rows feeds this step (the decoder's start token first)."""
         sequences = r.beams.sequences if r.beams is not None else [r.output_ids]
-        return [s[-1] if s else BOS_ID for s in sequences]
+        return [s[-1] if s else self.start_id for s in sequences]
 
     def _decode(self, requests: list[Request], output: RunnerOutput) -> None:
         """One decoder step for every running sequence (each beam a row). The step runs the span of
@@ -244,11 +265,12 @@ class TranslatorRunner:
         sentence's beams read its cross-attention keys once. Then beams are reordered with one copy
         of the written prefix for all rows of the step that take another row's cache."""
         fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
-        step = decode_step(fed, self.max_len, self.device)
+        step = decode_step(fed, self.max_len, self.pad_id, self.device)
         group = beam_group([r.slots for r in requests], step.rows)  # rows sharing a source: read its keys once
         memory_kv, src_mask = self.cross_cache.read(step.rows[::group], max(len(r.prompt_ids) for r in requests))
         views = self.cache.views(step.rows, step.positions, step.length)
         logits = self.model.decode(step.ids, memory_kv, src_mask, step.positions, views, step.length, group)[:, -1]  # (R, V)
+        suppress(logits, self.suppressed)  # once for the step's beams and streamed rows alike
         beams = [r for r in requests if r.beams is not None]
         streamed = [r for r in requests if r.beams is None]
         if beams:
@@ -276,7 +298,7 @@ class TranslatorRunner:
         return len(r.beams.sequences[0]) if r.beams is not None else len(r.output_ids)
 
 
-def runner_for(model: Translator | Generator, tokenizer: Tokenizer, n_slots: int) -> ModelRunner:
+def runner_for(model: Translator | Generator, tokenizer: TextTokenizer, n_slots: int, max_context: int | None = None) -> ModelRunner:
     if isinstance(model, Translator):
-        return TranslatorRunner(model, tokenizer, n_slots)
-    return GeneratorRunner(model, tokenizer, n_slots)
+        return TranslatorRunner(model, tokenizer, n_slots, max_context)
+    return GeneratorRunner(model, tokenizer, n_slots, max_context=max_context)

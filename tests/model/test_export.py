@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
 
 from benchmarks import peers
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_native_checkpoint
 from model.config import GeneratorConfig, TranslatorConfig
 from model.data import SHARED_DATA, pad, read_lines
 from model.export import export_ct2, export_hf, gpt_neox_config, marian_config, marian_permutation
+from model.folder import FolderInfo
 from model.generator import Generator
 from model.positions import sinusoidal_table
 from model.reference_decoding import generate_greedy_uncached
@@ -44,14 +45,14 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def translator() -> tuple[Translator, Tokenizer]:
-    model, tokenizer = load_checkpoint(DEFAULT_TRANSLATOR)
+    model, tokenizer = load_native_checkpoint(DEFAULT_TRANSLATOR)
     assert isinstance(model, Translator)
     return model, tokenizer
 
 
 @pytest.fixture(scope="module")
 def generator() -> tuple[Generator, Tokenizer]:
-    model, tokenizer = load_checkpoint(DEFAULT_GENERATOR)
+    model, tokenizer = load_native_checkpoint(DEFAULT_GENERATOR)
     assert isinstance(model, Generator)
     return model, tokenizer
 
@@ -212,9 +213,9 @@ def test_exports_refuse_layouts_the_targets_cannot_express() -> None:
 @pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
 def test_peers_benchmark_translates_alike_in_every_system(exports: Path) -> None:
     """benchmarks.peers feeds every system the same sentences: the float32 ones translate them as we do."""
-    folders = peers.Exports(exports / "hf-translator", exports / "hf-generator", exports / "ct2-translator", exports / "ct2-generator")
+    compared = peers.Compared(DEFAULT_TRANSLATOR, False, exports / "hf-translator", exports / "ct2-translator", 256)
     references = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.de.gz")[:8]
-    results = peers.translation(folders, TEST_SOURCES[:8], references, threads=1, repeats=1)
+    results = peers.translation(compared, TEST_SOURCES[:8], references, threads=1, repeats=1)
     for work in ["translate_greedy", "translate_beam4"]:
         assert results[f"{work}_same_as_ours_transformers"] == results[f"{work}_same_as_ours_ct2_float32"] == 1.0
         assert results[f"{work}_bleu_ours"] == results[f"{work}_bleu_transformers"] > 0
@@ -222,3 +223,15 @@ def test_peers_benchmark_translates_alike_in_every_system(exports: Path) -> None
     ours, peer = results["translate_beam4_sentences_per_s_ours"], results["translate_beam4_sentences_per_s_ct2_float32"]
     assert ratios["translate_beam4_vs_ct2_float32"] == ours / peer
     assert {f"translate_greedy_vs_{p}" for p in peers.PEERS} <= ratios.keys()
+
+
+def test_peers_benchmark_takes_the_translators_languages_and_keeps_the_shipped_results(tmp_path: Path) -> None:
+    """Sources and references follow the folder's languages (one line when Multi30k has none), and
+    a run on other folders writes beside benchmarks/results/peers.json, not over it."""
+    sources, references = peers.multi30k_test_set(tmp_path, FolderInfo("translator", "MarianMTModel", True, "en", "fr"))
+    assert len(sources) == len(references) == 1000
+    assert references[0] == read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.fr.gz")[0]
+    with pytest.raises(SystemExit, match=r"\(en -> es\); languages: cs, de, en, fr$"):
+        peers.multi30k_test_set(tmp_path, FolderInfo("translator", "MarianMTModel", True, "en", "es"))
+    assert peers.default_out(DEFAULT_TRANSLATOR, DEFAULT_GENERATOR) == peers.RESULTS
+    assert peers.default_out(tmp_path / "opus-mt-en-fr", DEFAULT_GENERATOR) == peers.RESULTS / "peers-opus-mt-en-fr+generator-shakespeare"

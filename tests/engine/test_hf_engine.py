@@ -1,0 +1,76 @@
+"""The engine on Hugging Face folders (built in the test, random weights): continuous batching of
+many requests at once gives transformers' own generate() answers, greedy and beam 4."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+from model.data import SHARED_DATA, read_lines
+from model.sampling import GREEDY
+from model.translate import max_new_tokens_for
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
+from service.engine.request import GenerationParams, Request
+from tests.hf_folders import build_gpt_neox_folder, build_marian_folder
+
+SENTENCES = 40
+
+
+@pytest.fixture(scope="module")
+def marian(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_marian_folder(tmp_path_factory.mktemp("marian"))
+
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gpt_neox_folder(tmp_path_factory.mktemp("neox"))
+
+
+def run_all(engine: Engine, prompts: list[list[int]], params: GenerationParams) -> list[str]:
+    """Every prompt submitted at once; each request's text."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(str(i), prompt, params))
+    texts = [""] * len(prompts)
+    while engine.has_work:
+        for delta in engine.step().deltas:
+            texts[int(delta.request_id)] += delta.text
+    return texts
+
+
+@torch.inference_mode()
+def test_marian_folder_in_the_engine_answers_as_transformers(marian: Path) -> None:
+    sentences = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")[:SENTENCES]
+    tokenizer, hf = AutoTokenizer.from_pretrained(marian), AutoModelForSeq2SeqLM.from_pretrained(marian).eval()
+    engine = Engine.from_checkpoint(marian, EngineConfig(n_slots=64, max_waiting=256), "cpu", torch.float32)
+    prompts = [engine.runner.encode_prompt(s) for s in sentences]
+    assert prompts == tokenizer(sentences)["input_ids"]  # the engine's source ids end with </s>, as Marian's
+
+    def theirs(beam_size: int) -> list[str]:
+        texts = []
+        for ids in prompts:
+            beam = {"num_beams": beam_size, "length_penalty": 1.0, "early_stopping": True} if beam_size > 1 else {}
+            limit = max_new_tokens_for(len(ids), hf.config.max_position_embeddings)
+            out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=limit, do_sample=False, **beam)
+            texts.append(tokenizer.decode(out[0], skip_special_tokens=True))
+        return texts
+
+    assert run_all(engine, prompts, GenerationParams(sampling=GREEDY)) == theirs(1)
+    ours, expected = run_all(engine, prompts, GenerationParams(beam_size=4, length_penalty=1.0)), theirs(4)
+    same = sum(a == b for a, b in zip(ours, expected, strict=True))
+    assert same >= 0.95 * len(sentences), [(a, b) for a, b in zip(ours, expected, strict=True) if a != b][:3]
+
+
+@torch.inference_mode()
+def test_gpt_neox_folder_in_the_engine_answers_as_transformers(neox: Path) -> None:
+    prompts_text = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further", "Thou art café naïve", "O", "KING HENRY:\nNow"]
+    tokenizer, hf = AutoTokenizer.from_pretrained(neox), AutoModelForCausalLM.from_pretrained(neox).eval()
+    engine = Engine.from_checkpoint(neox, EngineConfig(n_slots=8), "cpu", torch.float32)
+    prompts = [engine.runner.encode_prompt(p) for p in prompts_text]
+    assert prompts == [tokenizer(p)["input_ids"] for p in prompts_text]
+    expected = []
+    for ids in prompts:
+        out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=30, do_sample=False)
+        expected.append(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+    assert run_all(engine, prompts, GenerationParams(max_tokens=30, sampling=GREEDY)) == expected
