@@ -54,15 +54,13 @@ GENERATOR_REPLICAS = f'count(max by (replica) (ray_serve_deployment_replica_heal
 
 def cluster_config(port: int, base: Path = CPU_CONFIG, models: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """`base` (a Serve config file) served on 127.0.0.1:`port`, with CLUSTER_AUTOSCALING and, per
-    model ("translator", "generator"), these ModelServingConfig fields replaced."""
+    model (by its name), these ModelServingConfig fields replaced."""
     config: dict[str, Any] = yaml.safe_load(base.read_text())
     config["http_options"].update({"host": "127.0.0.1", "port": port})
-    args = config["applications"][0]["args"]
-    for name in ("translator", "generator"):
-        model = args[name]
+    for model in config["applications"][0]["args"]["models"]:
         if isinstance(model["deployment"].get("autoscaling_config"), dict):
             model["deployment"]["autoscaling_config"].update(CLUSTER_AUTOSCALING)
-        model.update((models or {}).get(name, {}))
+        model.update((models or {}).get(model["name"], {}))
     return config
 
 

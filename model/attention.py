@@ -25,9 +25,13 @@ def scaled_dot_product_attention(
 ) -> tuple[Tensor, Tensor]:
     """softmax(Q K^T / sqrt(d_k)) V, written out; returns (output, attention weights).
 
-    q: (B, H, Tq, D); k, v: (B, H, Tk, D); mask broadcastable to (B, H, Tq, Tk).
+    q: (B, H, Tq, D); k, v: (B, Hkv, Tk, D), each key/value head shared by H / Hkv consecutive
+    query heads (grouped-query attention; Hkv = H: multi-head); mask broadcastable to (B, H, Tq, Tk).
     Returns (B, H, Tq, D) and (B, H, Tq, Tk).
     """
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, Tk, D)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
@@ -38,26 +42,42 @@ def scaled_dot_product_attention(
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention: h heads of scaled dot-product attention over learned projections."""
+    """Multi-head attention: h heads of scaled dot-product attention over learned projections;
+    grouped-query when n_kv_heads < n_heads (each key/value head serves n_heads / n_kv_heads queries)."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, cross: bool = False) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        cross: bool = False,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        out_bias: bool | None = None,
+    ) -> None:
         """cross: attends over another sequence (keys and values from `project_key_value`); else
         self-attention, whose queries, keys and values come from one product (`qkv_proj`, the three
-        weights stacked as [q; k; v], as gpt-fast lays them out)."""
+        weights stacked as [q; k; v], as gpt-fast lays them out: (H + 2 Hkv) D rows).
+        n_kv_heads defaults to n_heads, head_dim to d_model / n_heads; bias is the q/k/v
+        projections', out_bias the output projection's (default: bias)."""
         super().__init__()
-        assert d_model % n_heads == 0, "d_model must be divisible by n_heads"
+        assert head_dim is not None or d_model % n_heads == 0, "d_model must be divisible by n_heads"
         self.n_heads = n_heads
-        self.head_dim = d_model // n_heads
+        self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        assert n_heads % self.n_kv_heads == 0 and not (cross and self.n_kv_heads != n_heads), "grouped-query self-attention only"
+        self.head_dim = d_model // n_heads if head_dim is None else head_dim
         self.dropout = dropout
         self.cross = cross
+        inner, kv_inner = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if cross:
-            self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-            self.k_proj = nn.Linear(d_model, d_model, bias=bias)
-            self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+            self.q_proj = nn.Linear(d_model, inner, bias=bias)
+            self.k_proj = nn.Linear(d_model, inner, bias=bias)
+            self.v_proj = nn.Linear(d_model, inner, bias=bias)
         else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model, bias=bias)
+            self.qkv_proj = nn.Linear(d_model, inner + 2 * kv_inner, bias=bias)
             self.register_load_state_dict_pre_hook(_stack_separate_projections)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(inner, d_model, bias=bias if out_bias is None else out_bias)
         # The fused kernel (torch SDPA) serves; the explicit path returns weights and is the reference.
         self.use_sdpa = True
 
@@ -66,23 +86,24 @@ class MultiHeadAttention(nn.Module):
         return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
 
     def _project_self(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Self-attention's queries, keys and values of x (B, T, d_model), (B, H, T, D) each, the
-        queries and keys rotated by rope ((cos, sin), (B, 1, T, D)) when given."""
+        """Self-attention's queries (B, H, T, D), keys and values (B, Hkv, T, D) of x (B, T, d_model),
+        the queries and keys rotated by rope ((cos, sin), (B, 1, T, R)) when given."""
         B, T, _ = x.shape
-        H = self.n_heads
-        qkv = self.qkv_proj(x).view(B, T, 3 * H, self.head_dim).transpose(1, 2)  # (B, 3H, T, D): q, k, v heads
-        qk, v = qkv[:, : 2 * H], qkv[:, 2 * H :]  # (B, 2H, T, D), (B, H, T, D)
+        H, Hkv = self.n_heads, self.n_kv_heads
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)  # (B, H + 2Hkv, T, D): q, k, v heads
+        qk, v = qkv[:, : H + Hkv], qkv[:, H + Hkv :]  # (B, H + Hkv, T, D), (B, Hkv, T, D)
         if rope is not None:
             qk = apply_rope(qk, *rope)  # the queries and keys in one rotation
         return qk[:, :H], qk[:, H:], v
 
     def projection_weights(self) -> list[tuple[Tensor, Tensor | None]]:
-        """The query, key and value projections' (weight (d_model, d_model), bias (d_model,)) each,
-        whichever layout holds them (for exports)."""
+        """The query, key and value projections' (weight (rows, d_model), bias (rows,)) each, rows
+        H D for queries and Hkv D for keys and values, whichever layout holds them (for exports)."""
         if self.cross:
             return [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)]
-        biases = self.qkv_proj.bias.chunk(3) if self.qkv_proj.bias is not None else (None, None, None)
-        return list(zip(self.qkv_proj.weight.chunk(3), biases, strict=True))
+        sizes = [self.n_heads * self.head_dim, *2 * [self.n_kv_heads * self.head_dim]]
+        biases = self.qkv_proj.bias.split(sizes) if self.qkv_proj.bias is not None else (None, None, None)
+        return list(zip(self.qkv_proj.weight.split(sizes), biases, strict=True))
 
     def project_key_value(self, source: Tensor) -> tuple[Tensor, Tensor]:
         """Cross-attention's keys and values of the attended sequence, (B, H, S, D) each; computed
@@ -100,23 +121,24 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, d_model) queries. key_value: projected keys/values for cross-attention
         (from `project_key_value`); None means self-attention over x (and the cache, if given).
-        rope: (cos, sin) at the query positions, (B, 1, T, D), applied to self-attention queries and keys.
-        Returns (B, T, d_model) and the weights (B, H, T, S) when asked for.
+        rope: (cos, sin) at the query positions, (B, 1, T, R), applied to self-attention queries and keys.
+        The cache holds Hkv heads. Returns (B, T, d_model) and the weights (B, H, T, S) when asked for.
         """
         B, T, _ = x.shape
         if key_value is None:
-            q, k, v = self._project_self(x, rope)  # (B, H, T, D) each
+            q, k, v = self._project_self(x, rope)  # (B, H, T, D), (B, Hkv, T, D) twice
             if cache is not None:
-                k, v = cache.update(k, v)  # (B, H, S, D): everything this sequence may attend to
+                k, v = cache.update(k, v)  # (B, Hkv, S, D): everything this sequence may attend to
         else:
             q, (k, v) = self._split_heads(self.q_proj(x)), key_value  # (B, H, T, D)
         dropout = self.dropout if self.training else 0.0
         weights = None
         if self.use_sdpa and not need_weights:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            grouped = self.n_kv_heads != self.n_heads
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=grouped)  # (B, H, T, D)
         else:
             out, weights = scaled_dot_product_attention(q, k, v, mask, dropout)
-        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, d_model)
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H D)
         return self.out_proj(out), weights
 
 

@@ -36,7 +36,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import ctranslate2
 import torch
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
@@ -68,14 +67,37 @@ def marian_permutation(d_model: int) -> Tensor:
     return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
 
 
+# Options the exports write as our shipped models have them (the exporters map nothing else).
+EXPORTED_AS_DEFAULT = {
+    "translator": ("norm_eps", "tie_embeddings", "suppressed_ids", "decoder_start_id", "scale_embedding", "logits_bias", "sinusoid_layout"),
+    "generator": (
+        *("norm_eps", "tie_embeddings", "suppressed_ids", "extra_eos_ids", "parallel_residual", "rotary_fraction", "rope_base"),
+        *("rope_scaling", "norm", "feed_forward", "n_kv_heads", "head_size", "qkv_bias", "out_bias", "ff_bias"),
+    ),
+}
+
+
+def _check_defaults(c: TranslatorConfig | GeneratorConfig, kind: str) -> None:
+    default = type(c)()
+    changed = [name for name in EXPORTED_AS_DEFAULT[kind] if getattr(c, name) != getattr(default, name)]
+    if kind == "translator" and c.activation not in ("relu", "gelu"):
+        changed.append("activation")
+    if changed:
+        raise ValueError(f"the export maps only our shipped models' options; this {kind} sets {', '.join(sorted(set(changed)))}")
+
+
 def _check_translator(c: TranslatorConfig) -> None:
     if c.norm_first or c.positions != "sinusoidal":
         raise ValueError("MarianMT is post-LN with sinusoidal positions; this translator is not")
+    _check_defaults(c, "translator")
 
 
 def _check_generator(c: GeneratorConfig) -> None:
     if not c.norm_first or c.positions != "rope":
         raise ValueError("GPT-NeoX is pre-LN with rotary positions; this generator is not")
+    if c.activation not in ("relu", "gelu"):
+        raise ValueError(f"the export maps relu and gelu; this generator uses {c.activation}")
+    _check_defaults(c, "generator")
 
 
 def marian_config(c: TranslatorConfig) -> MarianConfig:
@@ -313,11 +335,15 @@ def _fused(*linears: torch.nn.Linear) -> tuple[Tensor, Tensor]:
 
 
 def _ct2_activation(c: TranslatorConfig | GeneratorConfig) -> Any:
+    import ctranslate2  # imported here: export_hf runs where ctranslate2 is not installed (benchmarks/gpu.py)
+
     return ctranslate2.specs.Activation.RELU if c.activation == "relu" else ctranslate2.specs.Activation.GELU  # GELU: the erf form
 
 
 def ct2_translator_spec(model: Translator, tokenizer: Tokenizer) -> Any:
     """A ctranslate2 TransformerSpec with our weights; sources are pieces, </s> added by ctranslate2."""
+    import ctranslate2  # imported here: export_hf runs where ctranslate2 is not installed (benchmarks/gpu.py)
+
     c = model.config
     _check_translator(c)
     spec = ctranslate2.specs.TransformerSpec.from_config(
@@ -353,6 +379,8 @@ def ct2_translator_spec(model: Translator, tokenizer: Tokenizer) -> Any:
 
 def ct2_generator_spec(model: Generator, tokenizer: Tokenizer) -> Any:
     """A ctranslate2 TransformerDecoderModelSpec with our weights; prompts are pieces (no <s>)."""
+    import ctranslate2  # imported here: export_hf runs where ctranslate2 is not installed (benchmarks/gpu.py)
+
     c = model.config
     _check_generator(c)
     spec = ctranslate2.specs.TransformerDecoderModelSpec.from_config(

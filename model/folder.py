@@ -3,7 +3,8 @@ configuration reads it in processes that never load a model.
 
 Two kinds of folder:
 - ours (model.checkpoint): config.json with "architecture" TranslatorConfig or GeneratorConfig;
-- Hugging Face's: config.json with "architectures" (MarianMTModel, GPTNeoXForCausalLM), weights
+- Hugging Face's: config.json with "architectures" (MarianMTModel, GPTNeoXForCausalLM, the Llama
+  family: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM), weights
   as safetensors (one file or shards with model.safetensors.index.json) or pytorch_model.bin, and
   the tokenizer's files. A translator's languages come from tokenizer_config.json
   (source_lang / target_lang).
@@ -17,9 +18,22 @@ from typing import Any, Literal
 ModelKind = Literal["translator", "generator"]
 
 OUR_ARCHITECTURES: dict[str, ModelKind] = {"TranslatorConfig": "translator", "GeneratorConfig": "generator"}
-HF_ARCHITECTURES: dict[str, ModelKind] = {"MarianMTModel": "translator", "GPTNeoXForCausalLM": "generator"}
+HF_ARCHITECTURES: dict[str, ModelKind] = {
+    "MarianMTModel": "translator",
+    "GPTNeoXForCausalLM": "generator",
+    "LlamaForCausalLM": "generator",
+    "Qwen2ForCausalLM": "generator",
+    "MistralForCausalLM": "generator",
+}
 # Architectures people bring that are not served yet, with what to say.
-NOT_YET_SUPPORTED = ("T5ForConditionalGeneration", "BartForConditionalGeneration", "M2M100ForConditionalGeneration", "LlamaForCausalLM")
+NOT_YET_SUPPORTED = (
+    "T5ForConditionalGeneration",
+    "BartForConditionalGeneration",
+    "M2M100ForConditionalGeneration",
+    "GemmaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+)
 # ISO 639-2/3 codes some opus-mt folders use, to the two-letter codes clients send.
 TWO_LETTER = {"eng": "en", "deu": "de", "ger": "de", "fra": "fr", "fre": "fr", "ces": "cs", "cze": "cs", "spa": "es", "ita": "it"}
 

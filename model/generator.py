@@ -1,16 +1,38 @@
 """Decoder-only Transformer language model, laid out as GPT-NeoX (sequential residual, rotary positions).
 
 A Hugging Face GPT-NeoX folder (Pythia; model/hf_folder.py) may use the parallel residual, rotate
-part of each head, and untie the output projection (lm_head)."""
+part of each head, and untie the output projection (lm_head). A Llama-style folder (Llama, Qwen2,
+Mistral) brings RMSNorm, SwiGLU, grouped-query attention, its own head size and biases, and scaled RoPE."""
 
 from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from model.attention import SelfAttentionCache
+from model.attention import MultiHeadAttention, SelfAttentionCache
 from model.config import GeneratorConfig
-from model.layers import DecoderLayer, project_logits
-from model.positions import PositionEncoder
+from model.layers import DecoderLayer, FeedForward, make_norm, project_logits
+from model.positions import PositionEncoder, rope_inv_freq
+
+
+def _decoder_layer(c: GeneratorConfig) -> DecoderLayer:
+    attention = MultiHeadAttention(
+        c.d_model, c.n_heads, c.dropout, bias=c.qkv_bias, n_kv_heads=c.kv_heads, head_dim=c.head_dim, out_bias=c.out_bias
+    )
+    feed_forward = FeedForward(c.d_model, c.d_ff, c.activation, c.dropout, c.ff_bias, gated=c.feed_forward == "gated")
+    return DecoderLayer(
+        c.d_model,
+        c.n_heads,
+        c.d_ff,
+        c.dropout,
+        c.activation,
+        c.norm_first,
+        cross_attention=False,
+        norm_eps=c.norm_eps,
+        parallel_residual=c.parallel_residual,
+        norm=c.norm,
+        self_attn=attention,
+        feed_forward=feed_forward,
+    )
 
 
 class Generator(nn.Module):
@@ -19,25 +41,19 @@ class Generator(nn.Module):
         c = config
         self.config = c
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
-        self.positions = PositionEncoder(
-            c.positions, c.max_len, c.d_model, c.n_heads, rotary_fraction=c.rotary_fraction, rope_base=c.rope_base
+        frequencies = rope_inv_freq(
+            int(c.head_dim * c.rotary_fraction),
+            c.rope_base,
+            c.rope_scaling,
+            c.rope_factor,
+            c.rope_low_freq_factor,
+            c.rope_high_freq_factor,
+            c.rope_original_max_len,
         )
+        self.positions = PositionEncoder(c.positions, c.max_len, c.d_model, c.n_heads, rope_frequencies=frequencies)
         self.dropout = nn.Dropout(c.dropout)
-        self.layers = nn.ModuleList(
-            DecoderLayer(
-                c.d_model,
-                c.n_heads,
-                c.d_ff,
-                c.dropout,
-                c.activation,
-                c.norm_first,
-                cross_attention=False,
-                norm_eps=c.norm_eps,
-                parallel_residual=c.parallel_residual,
-            )
-            for _ in range(c.n_layers)
-        )
-        self.final_norm = nn.LayerNorm(c.d_model, eps=c.norm_eps) if c.norm_first else nn.Identity()
+        self.layers = nn.ModuleList(_decoder_layer(c) for _ in range(c.n_layers))
+        self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.norm_first else nn.Identity()
         self.lm_head: nn.Module | None = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.output_projection: nn.Module | None = None  # tied only: set by model.packed_linear or model.quantize
         self.apply(self._init_weights)

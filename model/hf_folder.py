@@ -1,6 +1,7 @@
 """Hugging Face folders read exactly into our modules: MarianMTModel (opus-mt as Helsinki-NLP ships
-it) into a Translator, GPTNeoXForCausalLM (Pythia) into a Generator; no transformers model runs.
-The inverse of model/export.py's mapping.
+it) into a Translator, GPTNeoXForCausalLM (Pythia) and the Llama family (LlamaForCausalLM,
+Qwen2ForCausalLM, MistralForCausalLM) into a Generator; no transformers model runs.
+For Marian and GPT-NeoX, the inverse of model/export.py's mapping.
 
 config.json is read as JSON (transformers stays out of the serving path), absent keys taking the
 defaults of transformers 5.23's MarianConfig and GPTNeoXConfig. Weights come from
@@ -13,6 +14,11 @@ pytorch_model.bin through torch.load(weights_only=True), which unpickles tensors
   never generated (opus-mt's bad_words_ids).
 - GPT-NeoX: query_key_value holds each head's [q_h; k_h; v_h] rows, regrouped into [q; k; v];
   parallel residual, partial rotary and an untied embed_out as the config says.
+- Llama: RMSNorm, SwiGLU, grouped-query attention, q/k/v stacked into qkv_proj as they are (the
+  checkpoints already hold the rotate-half layout), biases as attention_bias / mlp_bias say (Qwen2:
+  on q/k/v only), RoPE scaling default, linear or llama3; the eos ids of generation_config.json.
+  Sliding-window attention (Mistral's, Qwen2's use_sliding_window) is refused unless it spans
+  max_position_embeddings.
 """
 
 import re
@@ -28,7 +34,7 @@ from torch import Tensor
 from model.config import Activation, GeneratorConfig, TranslatorConfig
 from model.folder import CheckpointError, FolderInfo, inspect_folder, read_json
 from model.generator import Generator
-from model.hf_tokenizers import FastTextTokenizer, MarianTextTokenizer
+from model.hf_tokenizers import MarianTextTokenizer, fast_tokenizer_of
 from model.quantize import WeightType, place
 from model.tokenizer import TextTokenizer
 from model.translator import Translator
@@ -65,6 +71,18 @@ GPT_NEOX_LAYER = [
     ("feed_forward.fc1", "mlp.dense_h_to_4h"),
     ("feed_forward.fc2", "mlp.dense_4h_to_h"),
 ]
+LLAMA_LAYER = [
+    ("self_attn.out_proj", "self_attn.o_proj"),
+    ("attn_residual.norm", "input_layernorm"),
+    ("ff_residual.norm", "post_attention_layernorm"),
+    ("feed_forward.fc1", "mlp.gate_proj"),
+    ("feed_forward.up", "mlp.up_proj"),
+    ("feed_forward.fc2", "mlp.down_proj"),
+]
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+ROPE_SCALINGS = ("default", "linear", "llama3")
+# Rotary frequencies some Llama checkpoints saved.
+LLAMA_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # Buffers older GPT-NeoX checkpoints (Pythia) saved: the causal mask and rotary frequencies.
 GPT_NEOX_IGNORED = re.compile(r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)")
 FIRST_FEW = 5
@@ -155,7 +173,6 @@ def marian_config(folder: Path, config: dict[str, Any], tokenizer: MarianTextTok
     bos_id = _token_id(config, "bos_token_id", None)
     if pad_id is None or eos_id is None or start_id is None:
         raise CheckpointError(path, "needs pad_token_id, eos_token_id and decoder_start_token_id")
-    languages = {k: v for k, v in [("source_lang", info.source_lang), ("target_lang", info.target_lang)] if v is not None}
     return TranslatorConfig(
         vocab_size=vocab_size,
         d_model=int(config.get("d_model", 1024)),
@@ -179,7 +196,8 @@ def marian_config(folder: Path, config: dict[str, Any], tokenizer: MarianTextTok
         scale_embedding=bool(config.get("scale_embedding", False)),
         logits_bias=True,
         sinusoid_layout="halves",
-        **languages,
+        source_lang=info.source_lang or TranslatorConfig.source_lang,
+        target_lang=info.target_lang or TranslatorConfig.target_lang,
     )
 
 
@@ -229,6 +247,94 @@ def gpt_neox_config(folder: Path, config: dict[str, Any]) -> GeneratorConfig:
         rotary_fraction=float(rope.get("partial_rotary_factor", config.get("rotary_pct", 0.25))),
         rope_base=float(rope.get("rope_theta", config.get("rotary_emb_base", 10000.0))),
     )
+
+
+def _eos_ids(folder: Path, config: dict[str, Any]) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (one id or a list), else config.json's."""
+    path = folder / "generation_config.json"
+    generation = read_json(path) if path.is_file() else {}
+    value = generation.get("eos_token_id", config.get("eos_token_id"))
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    return tuple(int(v) for v in values)
+
+
+def _rope_scaling(config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """GeneratorConfig's RoPE fields from rope_parameters (transformers 5) or rope_scaling and rope_theta."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = str(rope.get("rope_type", rope.get("type", "default")))
+    if kind not in ROPE_SCALINGS:
+        raise CheckpointError(path, f"rope type {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)}")
+    fields: dict[str, Any] = {
+        "rope_base": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "rotary_fraction": float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))),
+        "rope_scaling": kind,
+    }
+    if kind != "default":
+        fields["rope_factor"] = float(rope["factor"])
+    if kind == "llama3":
+        fields["rope_low_freq_factor"] = float(rope["low_freq_factor"])
+        fields["rope_high_freq_factor"] = float(rope["high_freq_factor"])
+        fields["rope_original_max_len"] = int(rope.get("original_max_position_embeddings", config.get("max_position_embeddings", 2048)))
+    return fields
+
+
+def llama_config(folder: Path, config: dict[str, Any], architecture: str) -> GeneratorConfig:
+    path = folder / "config.json"
+    max_len = int(config.get("max_position_embeddings", 2048))
+    window = config.get("sliding_window") if architecture == "MistralForCausalLM" or config.get("use_sliding_window") else None
+    if "sliding_attention" in (config.get("layer_types") or []) or (window is not None and int(window) < max_len):
+        raise CheckpointError(path, f"sliding-window attention (sliding_window {window}) is not supported")
+    if int(config.get("pretraining_tp", 1) or 1) != 1:
+        raise CheckpointError(path, f"pretraining_tp {config['pretraining_tp']} is not supported")
+    eos_ids = _eos_ids(folder, config)
+    if not eos_ids:
+        raise CheckpointError(path, "needs eos_token_id (here or in generation_config.json)")
+    bos_id, pad_id = _token_id(config, "bos_token_id", None), _token_id(config, "pad_token_id", None)
+    n_heads = int(config.get("num_attention_heads", 32))
+    qwen2 = architecture == "Qwen2ForCausalLM"
+    attention_bias = bool(config.get("attention_bias", False))
+    return GeneratorConfig(
+        vocab_size=int(config.get("vocab_size", 32000)),
+        d_model=int(config.get("hidden_size", 4096)),
+        n_heads=n_heads,
+        d_ff=int(config.get("intermediate_size", 11008)),
+        dropout=0.0,
+        activation=_activation(config, "hidden_act", "silu", path),
+        max_len=max_len,
+        pad_id=eos_ids[0] if pad_id is None else pad_id,
+        unk_id=eos_ids[0] if config.get("unk_token_id") is None else int(config["unk_token_id"]),
+        bos_id=eos_ids[0] if bos_id is None else bos_id,  # Qwen2 has no bos
+        eos_id=eos_ids[0],
+        extra_eos_ids=tuple(i for i in eos_ids[1:] if i != eos_ids[0]),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        n_layers=int(config.get("num_hidden_layers", 32)),
+        **_rope_scaling(config, path),
+        norm="rmsnorm",
+        feed_forward="gated",
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        head_size=None if config.get("head_dim") is None else int(config["head_dim"]),
+        qkv_bias=qwen2 or attention_bias,
+        out_bias=not qwen2 and attention_bias,
+        ff_bias=bool(config.get("mlp_bias", False)),
+    )
+
+
+def llama_names(c: GeneratorConfig) -> dict[str, list[str]]:
+    names = {"embed.weight": ["model.embed_tokens.weight"], "final_norm.weight": ["model.norm.weight"]}
+    if not c.tie_embeddings:
+        names["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(c.n_layers):
+        ours, theirs = f"layers.{i}", f"model.layers.{i}"
+        names[f"{ours}.self_attn.qkv_proj.weight"] = [f"{theirs}.self_attn.{p}_proj.weight" for p in "qkv"]
+        if c.qkv_bias:
+            names[f"{ours}.self_attn.qkv_proj.bias"] = [f"{theirs}.self_attn.{p}_proj.bias" for p in "qkv"]
+        for our_module, their_module in LLAMA_LAYER:
+            names[f"{ours}.{our_module}.weight"] = [f"{theirs}.{their_module}.weight"]
+            biased = (c.out_bias and "o_proj" in their_module) or (c.ff_bias and "mlp" in their_module)
+            if biased:
+                names[f"{ours}.{our_module}.bias"] = [f"{theirs}.{their_module}.bias"]
+    return names
 
 
 def gpt_neox_names(c: GeneratorConfig) -> dict[str, list[str]]:
@@ -309,10 +415,19 @@ def read_hf_folder(folder: Path) -> tuple[Translator | Generator, TextTokenizer]
             return MARIAN_IGNORED.fullmatch(name) is not None or (tied and name == "lm_head.weight")
 
         state = state_dict(model, marian_names(translator_config), tensors, source, marian_ignored)
+    elif info.architecture in LLAMA_ARCHITECTURES:
+        generator_config = llama_config(folder, config, info.architecture)
+        model, tokenizer = Generator(generator_config), fast_tokenizer_of(folder)
+        tensors, source = read_weights(folder)
+        tied = generator_config.tie_embeddings
+
+        def llama_ignored(name: str) -> bool:
+            return LLAMA_IGNORED.fullmatch(name) is not None or (tied and name == "lm_head.weight")
+
+        state = state_dict(model, llama_names(generator_config), tensors, source, llama_ignored)
     else:
-        fast_tokenizer = FastTextTokenizer(folder / "tokenizer.json")
         generator_config = gpt_neox_config(folder, config)
-        model, tokenizer = Generator(generator_config), fast_tokenizer
+        model, tokenizer = Generator(generator_config), fast_tokenizer_of(folder)
         tensors, source = read_weights(folder)
         tied = generator_config.tie_embeddings
 

@@ -3,11 +3,16 @@
 - Marian (opus-mt): source.spm splits a source into pieces and vocab.json gives their ids (its own
   order, not sentencepiece's); output ids go back to pieces through vocab.json and target.spm joins
   them. The ids are MarianTokenizer's without the </s> it appends (the engine appends eos itself).
-- tokenizer.json, read by the `tokenizers` library: byte-level BPE (GPT-2, Pythia) or sentencepiece-
-  style pieces with byte fallback (our own export's, model/export.py).
+- tokenizer.json, read by the `tokenizers` library: byte-level BPE (GPT-2, Pythia, Llama 3, Qwen2) or
+  sentencepiece-style pieces with byte fallback (our own export's, model/export.py; Llama 2's).
+  Prompts start with bos when transformers' tokenizer adds it (add_bos; encode_prompt), and the
+  folder's chat template renders conversations (render_chat; model/chat_template.py). A folder
+  with tokenizer.model (sentencepiece) but no tokenizer.json is refused.
 
 Like MarianTokenizer, encode reads a leading language code (">>fr<<") as one token; unlike the
-transformers tokenizers, neither reads "</s>", "<pad>", ... written in the text as special tokens.
+transformers tokenizers, Marian's does not read "</s>", "<pad>", ... written in the text as special
+tokens. A tokenizer.json's added tokens written in the text are read as those tokens, as
+transformers reads them (a rendered chat template's "<|start_header_id|>", ...).
 """
 
 import re
@@ -17,6 +22,7 @@ from typing import Any
 import sentencepiece as spm
 from tokenizers import Tokenizer as FastTokenizer
 
+from model.chat_template import ChatTemplateError, Message, compile_chat_template, render_chat_template
 from model.folder import CheckpointError, read_json
 
 SPACE_PIECE = "\u2581"  # sentencepiece's word-start mark
@@ -77,6 +83,9 @@ class MarianTextTokenizer:
         pieces = code + list(self.source.encode(text, out_type=str))
         return [self.ids.get(piece, self.unk_id) for piece in pieces]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)  # the translator's runner appends </s> itself
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
 
@@ -100,9 +109,15 @@ def byte_level_alphabet() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 class FastTextTokenizer:
-    """A tokenizer.json through the `tokenizers` library; ids without the special tokens a
-    post-processor would add."""
+    """A tokenizer.json through the `tokenizers` library; encode gives ids without the special
+    tokens a post-processor would add, encode_prompt with the bos transformers' tokenizer adds.
+
+    tokenizer_config.json beside it (optional) names the special tokens the chat template reads,
+    and may hold the template (else chat_template.jinja does)."""
 
     def __init__(self, path: Path) -> None:
         spec = read_json(path)
@@ -116,6 +131,28 @@ class FastTextTokenizer:
         self.byte_of = byte_level_alphabet()
         added = self.tokenizer.get_added_tokens_decoder()
         self.special_ids = {i for i, token in added.items() if token.special}
+        config_path = path.parent / "tokenizer_config.json"
+        config = read_json(config_path) if config_path.is_file() else {}
+        self.special_tokens = {name: _special_token(config, name, "") for name in SPECIAL_TOKEN_NAMES if config.get(name)}
+        self.bos_id = self._bos_id()
+        self.add_bos = self.bos_id is not None
+        template_file = path.parent / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # several named templates: transformers' default is "default"
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        try:
+            self._compiled = None if self.chat_template is None else compile_chat_template(self.chat_template)
+        except ChatTemplateError as error:
+            raise CheckpointError(template_file if template_file.is_file() else config_path, str(error)) from None
+
+    def _bos_id(self) -> int | None:
+        """The special token tokenizer.json's post-processor puts before the text, if any: what
+        transformers 5.23 adds (tokenizer_config.json's add_bos_token does not change it)."""
+        plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+        with_specials = self.tokenizer.encode("a", add_special_tokens=True).ids
+        first = with_specials[0] if len(with_specials) > len(plain) and with_specials[1:] == plain else None
+        return first if first in self.special_ids else None
 
     @property
     def vocab_size(self) -> int:
@@ -126,6 +163,18 @@ class FastTextTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids as transformers' tokenizer gives them: bos first when it adds one (Llama)."""
+        return [self.bos_id, *self.encode(text)] if self.bos_id is not None else self.encode(text)
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        """The conversation as prompt text, as apply_chat_template(messages, tokenize=False) renders
+        it (bos included as text when the template writes it: encode it with encode, not encode_prompt).
+        ChatTemplateError when the folder has no chat template or the template refuses the messages."""
+        if self._compiled is None:
+            raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template, chat_template.jinja)")
+        return render_chat_template(self._compiled, messages, self.special_tokens, add_generation_prompt)
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids; special ids are dropped."""
@@ -138,3 +187,11 @@ class FastTextTokenizer:
         if self.byte_level:  # each character stands for one byte (an added token's other characters for themselves)
             return b"".join(bytes([self.byte_of[c]]) if c in self.byte_of else c.encode("utf-8") for c in token)
         return _piece_bytes(token)
+
+
+def fast_tokenizer_of(folder: Path) -> FastTextTokenizer:
+    """A generator folder's tokenizer.json; CheckpointError for a sentencepiece tokenizer.model alone."""
+    path = folder / "tokenizer.json"
+    if not path.is_file() and (folder / "tokenizer.model").is_file():
+        raise CheckpointError(path, "missing: a sentencepiece tokenizer.model alone is not supported (convert it to tokenizer.json)")
+    return FastTextTokenizer(path)

@@ -1,13 +1,15 @@
-"""The boxes of the Transformer diagram: feed-forward, encoder layer, decoder layer, pre-/post-LN residuals."""
+"""The boxes of the Transformer diagram: feed-forward (gated too: Llama's SwiGLU), encoder layer, decoder
+layer, pre-/post-norm residuals (LayerNorm, or Llama's RMSNorm)."""
 
 from collections.abc import Callable
 from functools import partial
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.attention import MultiHeadAttention, SelfAttentionCache
-from model.config import Activation
+from model.config import Activation, Norm
 
 ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
@@ -18,25 +20,47 @@ ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = W2 act(W1 x + b1) + b2, applied to each position alike."""
+    """FFN(x) = W2 act(W1 x + b1) + b2, applied to each position alike; gated (Shazeer, 2020):
+    W2 (act(W1 x) * W_up x), SwiGLU with silu (Llama's gate_proj, up_proj, down_proj)."""
 
-    def __init__(self, d_model: int, d_ff: int, activation: Activation, dropout: float) -> None:
+    def __init__(self, d_model: int, d_ff: int, activation: Activation, dropout: float, bias: bool = True, gated: bool = False) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(d_model, d_ff)
-        self.fc2 = nn.Linear(d_ff, d_model)
+        self.fc1 = nn.Linear(d_model, d_ff, bias=bias)
+        self.up = nn.Linear(d_model, d_ff, bias=bias) if gated else None
+        self.fc2 = nn.Linear(d_ff, d_model, bias=bias)
         self.activation = ACTIVATIONS[activation]
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.dropout(self.activation(self.fc1(x))))
+        h = self.activation(self.fc1(x))  # (B, T, d_ff)
+        return self.fc2(self.dropout(h if self.up is None else h * self.up(x)))
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang and Sennrich, 2019): LayerNorm without the mean and
+    the bias. Computed in float32 whatever the input's dtype, as Llama's."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d_model))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def make_norm(kind: Norm, d_model: int, eps: float) -> nn.Module:
+    return RMSNorm(d_model, eps) if kind == "rmsnorm" else nn.LayerNorm(d_model, eps=eps)
 
 
 class Residual(nn.Module):
-    """x + Sublayer(x) with its LayerNorm: before the sublayer (pre-LN) or after the sum (post-LN, the paper)."""
+    """x + Sublayer(x) with its norm: before the sublayer (pre-LN) or after the sum (post-LN, the paper)."""
 
-    def __init__(self, d_model: int, dropout: float, norm_first: bool, norm_eps: float) -> None:
+    def __init__(self, d_model: int, dropout: float, norm_first: bool, norm_eps: float, norm: Norm = "layernorm") -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(d_model, eps=norm_eps)
+        self.norm = make_norm(norm, d_model, norm_eps)
         self.dropout = nn.Dropout(dropout)
         self.norm_first = norm_first
 
@@ -72,7 +96,9 @@ class DecoderLayer(nn.Module):
     """Masked self-attention, cross-attention over the encoder output (encoder-decoder only), feed-forward.
 
     parallel_residual (pre-LN, decoder-only: GPT-NeoX): x + Attn(LN1(x)) + FFN(LN2(x)), both
-    branches reading the same x; otherwise the sublayers run one after the other."""
+    branches reading the same x; otherwise the sublayers run one after the other. A generator may
+    bring its own self-attention (grouped-query, other head sizes or biases) and feed-forward
+    (gated, without biases) modules, and RMSNorm."""
 
     def __init__(
         self,
@@ -85,15 +111,18 @@ class DecoderLayer(nn.Module):
         cross_attention: bool,
         norm_eps: float,
         parallel_residual: bool = False,
+        norm: Norm = "layernorm",
+        self_attn: MultiHeadAttention | None = None,
+        feed_forward: FeedForward | None = None,
     ) -> None:
         super().__init__()
         assert not parallel_residual or (norm_first and not cross_attention), "a parallel residual is pre-LN and decoder-only"
-        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout)
-        self.attn_residual = Residual(d_model, dropout, norm_first, norm_eps)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout) if self_attn is None else self_attn
+        self.attn_residual = Residual(d_model, dropout, norm_first, norm_eps, norm)
         self.src_attn = MultiHeadAttention(d_model, n_heads, dropout, cross=True) if cross_attention else None
-        self.src_residual = Residual(d_model, dropout, norm_first, norm_eps) if cross_attention else None
-        self.feed_forward = FeedForward(d_model, d_ff, activation, dropout)
-        self.ff_residual = Residual(d_model, dropout, norm_first, norm_eps)
+        self.src_residual = Residual(d_model, dropout, norm_first, norm_eps, norm) if cross_attention else None
+        self.feed_forward = FeedForward(d_model, d_ff, activation, dropout) if feed_forward is None else feed_forward
+        self.ff_residual = Residual(d_model, dropout, norm_first, norm_eps, norm)
         self.parallel_residual = parallel_residual
 
     def forward(

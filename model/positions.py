@@ -5,7 +5,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from model.config import SinusoidLayout
+from model.config import RopeScaling, SinusoidLayout
 from model.masks import causal_mask, positions_mask
 
 
@@ -25,13 +25,41 @@ def sinusoidal_table(max_len: int, d_model: int, layout: SinusoidLayout = "inter
     return table.float()
 
 
-def rope_tables(max_len: int, head_dim: int, base: float = 10000.0) -> tuple[Tensor, Tensor]:
-    """cos and sin tables for rotary embeddings in the rotate-half layout (GPT-NeoX, Llama).
+def rope_inv_freq(
+    rotary_dim: int,
+    base: float = 10000.0,
+    scaling: RopeScaling = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_len: int = 8192,
+) -> Tensor:
+    """RoPE's frequencies base^(-2i/R), (R/2,) float64, rescaled as transformers' rope types:
+    linear divides them all by factor; llama3 (Llama 3.1) divides the low frequencies (wavelengths
+    above original_max_len / low_freq_factor) by factor, keeps the high ones (below
+    original_max_len / high_freq_factor) and interpolates between."""
+    assert rotary_dim % 2 == 0, "the rotated dims must be even"
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))  # (R/2,)
+    if scaling == "linear":
+        return inv_freq / factor
+    if scaling == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original_max_len / low_freq_factor, inv_freq / factor, inv_freq)
+        smooth = (original_max_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original_max_len / high_freq_factor) & (wavelen <= original_max_len / low_freq_factor)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(max_len: int, head_dim: int, base: float = 10000.0, inv_freq: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """cos and sin tables for rotary embeddings in the rotate-half layout (GPT-NeoX, Llama), from
+    inv_freq (D/2,) when given (scaled: rope_inv_freq), else base^(-2i/D).
 
     Returns two tensors of shape (max_len, head_dim).
     """
-    assert head_dim % 2 == 0, "head_dim must be even"
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))  # (D/2,)
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(head_dim, base)  # (D/2,)
     angles = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq[None, :]  # (L, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (L, D)
     return angles.cos().float(), angles.sin().float()
@@ -79,7 +107,9 @@ class PositionEncoder(nn.Module):
     """Applies the configured kind of positional information; the other two hooks are no-ops.
 
     sinusoidal: added to the token embeddings (in sinusoid_layout); rope: rotates the first
-    rotary_fraction of each head's dims of queries and keys, with base rope_base; alibi: biases scores.
+    rotary_fraction of each head's dims of queries and keys, with base rope_base, or at
+    rope_frequencies (R/2,) when given (scaled RoPE, a head_dim other than d_model / n_heads);
+    alibi: biases scores.
     """
 
     def __init__(
@@ -91,6 +121,7 @@ class PositionEncoder(nn.Module):
         sinusoid_layout: SinusoidLayout = "interleaved",
         rotary_fraction: float = 1.0,
         rope_base: float = 10000.0,
+        rope_frequencies: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.kind = kind
@@ -101,7 +132,8 @@ class PositionEncoder(nn.Module):
         if kind == "sinusoidal":
             self.register_buffer("table", sinusoidal_table(max_len, d_model, sinusoid_layout), persistent=False)
         elif kind == "rope":
-            cos, sin = rope_tables(max_len, int(d_model // n_heads * rotary_fraction), rope_base)
+            rotary_dim = int(d_model // n_heads * rotary_fraction) if rope_frequencies is None else 2 * len(rope_frequencies)
+            cos, sin = rope_tables(max_len, rotary_dim, rope_base, rope_frequencies)
             self.register_buffer("cos", cos, persistent=False)
             self.register_buffer("sin", sin, persistent=False)
         elif kind == "alibi":

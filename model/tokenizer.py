@@ -19,6 +19,10 @@ class TextTokenizer(Protocol):
     def encode(self, text: str) -> list[int]:
         """Token ids without any special token."""
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids as the model's own tokenizer reads one: with the special tokens it puts
+        before a text (a Llama's bos), or none."""
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids: list[int]) -> str:
@@ -86,6 +90,9 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(ids) for ids in self.sp.encode(texts)]
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)  # our models read prompts without bos
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids; special ids are dropped."""

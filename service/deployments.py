@@ -23,7 +23,7 @@ from service.engine.inspector import AttentionInspector
 from service.engine.request import Delta, GenerationParams, Request
 from service.metrics import ServingMetrics
 from service.process import process_stats
-from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
+from service.protocol import AttentionMap, AttentionRequest, ChatMessage, Chunk, GenerateRequest, Refusal, TokenizeRequest, Tokens
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
 
@@ -84,9 +84,22 @@ class ModelDeployment:
         while engine.has_work:
             engine.step()
 
+    def _prompt_ids(self, text: str, messages: tuple[ChatMessage, ...] | None, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids: text as the engine reads a prompt (with the special tokens the model's
+        tokenizer adds, when add_special_tokens), or a chat rendered by the model's template
+        (InvalidRequestError when it has none) and encoded as it is."""
+        if messages is None:
+            return self.runner.encode_prompt(text) if add_special_tokens else self.runner.tokenizer.encode(text)
+        render = getattr(self.runner.tokenizer, "render_chat", None)
+        template = getattr(self.runner.tokenizer, "chat_template", None)
+        if render is None or template is None:
+            raise InvalidRequestError(f"the model {self.config.name} has no chat template; use /v1/completions", "messages")
+        rendered: str = render([{"role": role, "content": content} for role, content in messages])
+        return self.runner.tokenizer.encode(rendered)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | Refusal]:
         try:
-            prompt_ids = self.runner.encode_prompt(request.text)
+            prompt_ids = self._prompt_ids(request.text, request.messages)
             stream = await self.engine.submit(prompt_ids, generation_params(request))
         except InvalidRequestError as error:
             self.metrics.record_failure("validation")
@@ -111,6 +124,20 @@ class ModelDeployment:
         except InvalidRequestError as error:
             return Refusal("invalid", str(error), error.param)
         return AttentionMap(source, target, weights.tolist())
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokens | Refusal:
+        try:
+            ids = self._prompt_ids(request.text, request.messages, request.add_special_tokens)
+        except InvalidRequestError as error:
+            return Refusal("invalid", str(error), error.param)
+        pieces = tuple(self.runner.tokenizer.piece_bytes(i).decode("utf-8", errors="replace") for i in ids)
+        return Tokens(tuple(ids), pieces, self.runner.max_len)
+
+    async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
+        vocab_size = self.runner.tokenizer.vocab_size
+        if any(not 0 <= i < vocab_size for i in ids):
+            return Refusal("invalid", f"token ids must be in [0, {vocab_size})", "tokens")
+        return self.runner.tokenizer.decode(list(ids))
 
     async def ready(self) -> bool:
         return self.engine.alive

@@ -21,7 +21,7 @@ from service.api.backend import Backends, ModelLoad, model_of_path
 from service.config import ModelServingConfig, ServiceConfig
 from service.metrics import request_failure_counter, request_retry_counter
 from service.process import process_stats
-from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, ReplicaLostError
+from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, ReplicaLostError, TokenizeRequest, Tokens
 
 READY_TIMEOUT_S = 2.0
 log = logging.getLogger("ray.serve")
@@ -141,6 +141,14 @@ class RayBackend:
 
     async def attention(self, request: AttentionRequest) -> AttentionMap | Refusal:
         result: AttentionMap | Refusal = await self.handle.attention.remote(request)
+        return result
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokens | Refusal:
+        result: Tokens | Refusal = await self.handle.tokenize.remote(request)
+        return result
+
+    async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
+        result: str | Refusal = await self.handle.detokenize.remote(ids)
         return result
 
     async def ready(self) -> bool:

@@ -25,12 +25,17 @@ RefusalKind = Literal["invalid", "overloaded", "unavailable"]
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's; translation routes ask for 0 (greedy) or beam search
 
+ChatMessage = tuple[str, str]  # (role, content)
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation or one sentence to translate."""
 
     text: str  # the prompt, or the source sentence
+    # A chat instead of text: rendered by the replica with its model's chat template (with the
+    # assistant's turn opened), encoded without adding special tokens, as transformers does.
+    messages: tuple[ChatMessage, ...] | None = None
     max_tokens: int | None = None  # None: the model's default for this input (decided by the engine)
     temperature: float = DEFAULT_TEMPERATURE  # 0: greedy
     top_p: float = 1.0
@@ -62,6 +67,22 @@ class Refusal:
 class ReplicaLostError(Exception):
     """The replica streaming a request was lost (its process or node died) after part of the
     answer had gone to the client: the request was not finished, and may be sent again."""
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """Token ids of a prompt as the model's engine would read it (vLLM's /tokenize)."""
+
+    text: str = ""
+    messages: tuple[ChatMessage, ...] | None = None  # a chat, rendered by the model's template
+    add_special_tokens: bool = True  # the special tokens a plain prompt gets (e.g. a Llama's bos)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: tuple[int, ...]
+    pieces: tuple[str, ...]  # each token's text
+    max_model_len: int  # the serving context: prompt and output together
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@ import os
 import pytest
 import torch
 
-from service.config import LOCAL_RAY_ENVIRONMENT
+try:
+    from service.config import LOCAL_RAY_ENVIRONMENT
+except ImportError:  # no pydantic, hence no Ray either: the GPU check runs tests/model and tests/engine only
+    LOCAL_RAY_ENVIRONMENT = {}
 
 # Before anything imports Ray: the tests' own Ray listens on 127.0.0.1 only (service/config.py).
 os.environ.update(LOCAL_RAY_ENVIRONMENT)
@@ -35,6 +38,21 @@ FULL_TIER = {
     "tests/model/test_quantize.py::test_int8_generator_keeps_nats_per_char_within": "the validation split twice (1 minute)",
     "tests/model/test_export.py::test_peers_benchmark_translates_alike_in_every_system": "exports and runs every peer system (1 minute)",
 }
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu", help="where the tests taking the `device` fixture run their models: cpu or cuda")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: no CUDA device here")
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> str:
+    """The device of --device (default cpu): exactness tests run their models there."""
+    return str(request.config.getoption("--device"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

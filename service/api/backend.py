@@ -1,16 +1,29 @@
 """How the HTTP layer reaches a model: a stream of protocol items (service/protocol.py) from a
 model deployment, turned into HTTP statuses here and nowhere else."""
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from fastapi import APIRouter
 from fastapi.routing import APIRoute
 
 from service.api.errors import APIError
-from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, RefusalKind, ReplicaLostError
+from service.protocol import (
+    AttentionMap,
+    AttentionRequest,
+    Chunk,
+    GenerateRequest,
+    Refusal,
+    RefusalKind,
+    ReplicaLostError,
+    TokenizeRequest,
+    Tokens,
+)
+
+T = TypeVar("T")
 
 
 class ModelBackend(Protocol):
@@ -19,6 +32,12 @@ class ModelBackend(Protocol):
 
     async def attention(self, request: AttentionRequest) -> AttentionMap | Refusal:
         """The model's attention weights on one input."""
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokens | Refusal:
+        """The prompt's token ids, as the model reads it."""
+
+    async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
+        """The text of token ids (special tokens dropped)."""
 
     async def ready(self) -> bool: ...
 
@@ -77,12 +96,29 @@ def refusal_error(refusal: Refusal, retry_after: int) -> APIError:
     return APIError(status, refusal.message, refusal.param, retry_after if status in (429, 503) else None, counted=True)
 
 
-async def attention_map(backend: ModelBackend, request: AttentionRequest, retry_after: int) -> AttentionMap:
-    """The attention weights, or the refusal as an HTTP error."""
-    result = await backend.attention(request)
+def answered(result: T | Refusal, retry_after: int) -> T:
+    """A replica's answer, or its refusal as the HTTP error."""
     if isinstance(result, Refusal):
         raise refusal_error(result, retry_after)
     return result
+
+
+async def open_streams(backend: ModelBackend, requests: list[GenerateRequest], retry_after: int) -> list[AsyncGenerator[Chunk, None]]:
+    """One admitted stream per request, all admitted before any result is awaited; if one is
+    refused, the others are closed (cancelled) and the refusal is raised."""
+    streams = await asyncio.gather(*(open_stream(backend, r, retry_after) for r in requests), return_exceptions=True)
+    failure = next((s for s in streams if isinstance(s, BaseException)), None)
+    if failure is not None:
+        for s in streams:
+            if not isinstance(s, BaseException):
+                await s.aclose()
+        raise failure
+    return streams  # type: ignore[return-value]
+
+
+async def attention_map(backend: ModelBackend, request: AttentionRequest, retry_after: int) -> AttentionMap:
+    """The attention weights, or the refusal as an HTTP error."""
+    return answered(await backend.attention(request), retry_after)
 
 
 async def open_stream(backend: ModelBackend, request: GenerateRequest, retry_after: int) -> AsyncGenerator[Chunk, None]:

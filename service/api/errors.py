@@ -39,10 +39,17 @@ def route_path(scope: Mapping[str, Any]) -> str:
 FailureHook = Callable[[str, str], None]  # (request path, failure reason) for requests refused here
 
 
+VLLM_PATHS = ("/tokenize", "/detokenize")  # vLLM's, beside the OpenAI routes: OpenAI's envelope
+
+
+def uses_openai_errors(path: str) -> bool:
+    return path.startswith("/v1/") or path in VLLM_PATHS
+
+
 def error_response(path: str, status: int, message: str, param: str | None = None, retry_after: int | None = None) -> JSONResponse:
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     body: OpenAIError | LibreTranslateError
-    if path.startswith("/v1/"):
+    if uses_openai_errors(path):
         kind = ERROR_TYPES.get(status, "internal_error")
         body = OpenAIError(error=OpenAIErrorDetail(message=message, type=kind, param=param, code=status))
     else:

@@ -1,29 +1,39 @@
-"""OpenAI-compatible completions for the generators: `POST /v1/completions`, `GET /v1/models`."""
+"""OpenAI-compatible routes for the generators: `POST /v1/completions`, `POST /v1/chat/completions`,
+`GET /v1/models`, and vLLM's `POST /tokenize` and `POST /detokenize`."""
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.backend import MODEL_EXTENSION, Backends, final_chunk, open_stream
+from service.api.backend import MODEL_EXTENSION, Backends, answered, final_chunk, open_streams
 from service.api.errors import APIError
-from service.api.routing import model_by_name
+from service.api.routing import model_by_name, model_of_any_kind
 from service.api.schemas import (
     MODEL_ERRORS,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeBody,
+    DetokenizeResponse,
     ModelList,
     OpenAIError,
+    TokenizeBody,
+    TokenizeResponse,
     error_responses,
     event_stream,
 )
-from service.api.streams import sse, sse_error
+from service.api.streams import merged, sse, sse_error
 from service.config import ServiceConfig
-from service.protocol import Chunk, GenerateRequest
+from service.protocol import Chunk, GenerateRequest, TokenizeRequest
 
 router = APIRouter()
 
@@ -49,11 +59,28 @@ async def list_models(request: Request) -> dict[str, Any]:
     }
 
 
-def generate_request(body: CompletionRequest, config: ServiceConfig) -> GenerateRequest:
-    """The completion as a model request; a missing max_tokens is the engine's to decide."""
+def sampling_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """The request's generation fields, as the engine takes them."""
     unsupported = body.unsupported_field()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server; leave it at its default", unsupported)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    max_tokens = body.max_completion_tokens or body.max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    return {
+        "max_tokens": max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": max(body.top_k, 0),
+        "seed": body.seed,
+        "stop": tuple(body.stop or ()),
+        "stream": body.stream,
+    }
+
+
+def generate_request(body: CompletionRequest, config: ServiceConfig) -> GenerateRequest:
+    """The completion as a model request; a missing max_tokens is the engine's to decide."""
+    fields = sampling_fields(body)
     prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
     if len(prompts) != 1:
         raise APIError(400, "prompt must be one string (lists of one are accepted)", "prompt")
@@ -62,16 +89,18 @@ def generate_request(body: CompletionRequest, config: ServiceConfig) -> Generate
         raise APIError(400, "prompt must not be empty", "prompt")
     if len(prompt) > config.max_prompt_chars:
         raise APIError(400, f"prompt has {len(prompt)} characters; the limit is {config.max_prompt_chars}", "prompt")
-    return GenerateRequest(
-        text=prompt,
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=max(body.top_k, 0),
-        seed=body.seed,
-        stop=tuple(body.stop or ()),
-        stream=body.stream,
-    )
+    return GenerateRequest(text=prompt, **fields)
+
+
+def choices(request: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """n independent samples of one request: with a seed, choice i samples with seed + i."""
+    return [request if request.seed is None else replace(request, seed=(request.seed + i) % 2**63) for i in range(n)]
+
+
+def stream_flags(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of a streamed request."""
+    options = body.stream_options
+    return (options.include_usage, options.continuous_usage_stats) if options else (False, False)
 
 
 @router.post(
@@ -82,49 +111,155 @@ def generate_request(body: CompletionRequest, config: ServiceConfig) -> Generate
     openapi_extra={MODEL_EXTENSION: "generator"},
 )
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
-    """OpenAI completions; `stream: true` answers with server-sent events in OpenAI's format."""
+    """OpenAI completions; `stream: true` answers with server-sent events in OpenAI's format;
+    `n` independent choices."""
     config: ServiceConfig = request.app.state.config
     backends: Backends = request.app.state.backends
     model = model_by_name(config, "generator", body.model).name
-    stream = await open_stream(backends.models[model], generate_request(body, config), config.retry_after_seconds)
+    requests = choices(generate_request(body, config), body.n)
+    streams = await open_streams(backends.models[model], requests, config.retry_after_seconds)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
     if body.stream:
-        options = body.stream_options
-        include_usage, continuous = (options.include_usage, options.continuous_usage_stats) if options else (False, False)
-        return StreamingResponse(stream_completion(stream, base, include_usage, continuous), media_type="text/event-stream")
-    last = await final_chunk(stream, "internal error during generation", config.retry_after_seconds)
+        frames = stream_choices(streams, base, completion_frame, *stream_flags(body))
+        return StreamingResponse(frames, media_type="text/event-stream")
+    finals = await final_chunks(streams, config.retry_after_seconds)
     return {
         **base,
-        "choices": [{"index": 0, "text": last.text, "logprobs": None, "finish_reason": last.finish_reason}],
-        "usage": usage(last),
+        "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for i, c in enumerate(finals)],
+        "usage": usage(finals),
     }
 
 
-def usage(chunk: Chunk) -> dict[str, int]:
+@router.post(
+    "/v1/chat/completions",
+    tags=["openai"],
+    response_model=ChatCompletionResponse,
+    responses={**MODEL_ERRORS, **event_stream(ChatCompletionChunk)},
+    openapi_extra={MODEL_EXTENSION: "generator"},
+)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+    """OpenAI chat completions: the messages rendered with the model's chat template (a model
+    without one answers 400), the assistant's reply generated; `stream: true` sends the role,
+    then content deltas, then [DONE]."""
+    config: ServiceConfig = request.app.state.config
+    backends: Backends = request.app.state.backends
+    model = model_by_name(config, "generator", body.model).name
+    messages = tuple((m.role, m.text()) for m in body.messages)
+    characters = sum(len(content) for _, content in messages)
+    if characters > config.max_prompt_chars:
+        raise APIError(400, f"messages have {characters} characters; the limit is {config.max_prompt_chars}", "messages")
+    requests = choices(GenerateRequest(text="", messages=messages, **sampling_fields(body)), body.n)
+    streams = await open_streams(backends.models[model], requests, config.retry_after_seconds)
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+    if body.stream:
+        frames = stream_choices(streams, {**base, "object": "chat.completion.chunk"}, chat_frame, *stream_flags(body))
+        return StreamingResponse(frames, media_type="text/event-stream")
+    finals = await final_chunks(streams, config.retry_after_seconds)
     return {
-        "prompt_tokens": chunk.prompt_tokens,
-        "completion_tokens": chunk.completion_tokens,
-        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
+        **base,
+        "object": "chat.completion",
+        "choices": [
+            {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None, "finish_reason": c.finish_reason}
+            for i, c in enumerate(finals)
+        ],
+        "usage": usage(finals),
     }
 
 
-async def stream_completion(
-    stream: AsyncIterator[Chunk], base: dict[str, Any], include_usage: bool, continuous_usage: bool = False
-) -> AsyncIterator[str]:
-    """OpenAI's stream: a frame per chunk with text; with include_usage a last frame of usage
-    alone; with continuous_usage_stats (vLLM's extension) the usage so far on every frame. A
-    failure after the 200 (the engine's, or a lost replica's: a 503 that may be retried) is one
-    error frame, then [DONE]."""
+async def final_chunks(streams: list[AsyncGenerator[Chunk, None]], retry_after: int) -> list[Chunk]:
+    """Each choice's stream read to its end; any failure closes the others and is raised."""
+    tasks = [asyncio.ensure_future(final_chunk(s, "internal error during generation", retry_after)) for s in streams]
     try:
-        async for chunk in stream:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def usage(finals: list[Chunk]) -> dict[str, int]:
+    """The prompt counted once (every choice reads the same), the choices' tokens summed."""
+    prompt_tokens, completion_tokens = finals[0].prompt_tokens, sum(c.completion_tokens for c in finals)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_frame(index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
+    """A completions stream's choice for one chunk: its text (none for an empty chunk before the end)."""
+    if not chunk.text and chunk.finish_reason is None:
+        return []
+    return [{"index": index, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}]
+
+
+def chat_frame(index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
+    """A chat stream's choices for one chunk: the role alone first, then content, then the finish
+    reason with an empty delta (as OpenAI sends them)."""
+    frames: list[dict[str, Any]] = []
+    if first:
+        frames.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+    if chunk.text:
+        frames.append({"index": index, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None})
+    if chunk.finish_reason is not None:
+        frames.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": chunk.finish_reason})
+    return frames
+
+
+async def stream_choices(
+    streams: list[AsyncGenerator[Chunk, None]],
+    base: dict[str, Any],
+    frame: Callable[[int, Chunk, bool], list[dict[str, Any]]],
+    include_usage: bool,
+    continuous_usage: bool = False,
+) -> AsyncIterator[str]:
+    """OpenAI's stream of n choices: an event per choice frame (`frame`); with include_usage a last
+    event of the usage alone; with continuous_usage_stats (vLLM's extension) the usage so far on
+    every event. A failure after the 200 (the engine's, or a lost replica's: a 503 that may be
+    retried) is one error event, then [DONE]."""
+    latest: dict[int, Chunk] = {}
+    try:
+        async for index, chunk in merged(streams):
             if chunk.finish_reason == "error":
                 yield sse_error("internal error during generation", 500)
                 break
-            if chunk.text or chunk.finish_reason is not None:
-                choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
-                yield sse({**base, "choices": [choice], **({"usage": usage(chunk)} if continuous_usage else {})})
-            if chunk.finish_reason is not None and include_usage:
-                yield sse({**base, "choices": [], "usage": usage(chunk)})
+            if chunk.finish_reason == "timeout":
+                raise APIError(503, "the request timed out; retry later", counted=True)
+            first = index not in latest
+            latest[index] = chunk
+            so_far = {"usage": usage(list(latest.values()))} if continuous_usage else {}
+            for choice in frame(index, chunk, first):
+                yield sse({**base, "choices": [choice], **so_far})
+        else:
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": usage([latest[i] for i in sorted(latest)])})
     except APIError as error:
         yield sse_error(error.message, error.status)
     yield sse("[DONE]")
+
+
+@router.post("/tokenize", tags=["vllm"], response_model=TokenizeResponse, response_model_exclude_none=True, responses=MODEL_ERRORS)
+async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
+    """vLLM's tokenize: a prompt's token ids as the model reads it (or a chat's, rendered by the
+    model's template), and the serving context; `return_token_strs` adds each token's text."""
+    config: ServiceConfig = request.app.state.config
+    model = model_of_any_kind(config, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send one of prompt and messages", "prompt")
+    text = body.prompt or ""
+    messages = tuple((m.role, m.text()) for m in body.messages) if body.messages is not None else None
+    if len(text) + sum(len(c) for _, c in messages or ()) > config.max_prompt_chars:
+        raise APIError(400, f"the text is over {config.max_prompt_chars} characters", "prompt")
+    backend = request.app.state.backends.models[model.name]
+    tokenized = await backend.tokenize(TokenizeRequest(text, messages, body.add_special_tokens))
+    tokens = answered(tokenized, config.retry_after_seconds)
+    answer: dict[str, Any] = {"count": len(tokens.ids), "max_model_len": tokens.max_model_len, "tokens": list(tokens.ids)}
+    if body.return_token_strs:
+        answer["token_strs"] = list(tokens.pieces)
+    return answer
+
+
+@router.post("/detokenize", tags=["vllm"], response_model=DetokenizeResponse, responses=MODEL_ERRORS)
+async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
+    """vLLM's detokenize: the text of token ids (special tokens dropped)."""
+    config: ServiceConfig = request.app.state.config
+    model = model_of_any_kind(config, body.model)
+    backend = request.app.state.backends.models[model.name]
+    return {"prompt": answered(await backend.detokenize(tuple(body.tokens)), config.retry_after_seconds)}

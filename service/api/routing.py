@@ -26,6 +26,17 @@ def model_by_name(config: ServiceConfig, kind: ModelKind, name: str | None) -> M
     return model
 
 
+def model_of_any_kind(config: ServiceConfig, name: str | None) -> ModelServingConfig:
+    """The model named `name` whatever its kind, or when None the first generator (else the first
+    model); 404 for a name not served."""
+    if name is None:
+        return (config.models_of("generator") or list(config.models))[0]
+    model = config.model_named(name)
+    if model is None:
+        raise APIError(404, f"The model `{name}` does not exist (served: {', '.join(m.name for m in config.models)}).", "model")
+    return model
+
+
 def pairs(config: ServiceConfig) -> list[tuple[str, str]]:
     """The language pairs served, in the models' order, each once."""
     seen: dict[tuple[str, str], None] = {}

@@ -3,7 +3,7 @@ and the responses every route documents in the OpenAPI schema."""
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from pydantic.alias_generators import to_camel
 from pydantic.json_schema import SkipJsonSchema
 
@@ -24,8 +24,21 @@ def _encodable(text: str) -> str:
 Text = Annotated[StrictStr, AfterValidator(_encodable)]
 
 
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 4 or any(not s or len(s) > 64 for s in stops):
+        raise ValueError("stop takes at most 4 non-empty strings of at most 64 characters")
+    return stops
+
+
+Stop = Annotated[Text | list[Text] | None, AfterValidator(_stop_strings)]  # validated into a list
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+MAX_CHOICES = 8  # n: samples per request, each one engine request
 
 
 class StreamOptions(StrictModel):
@@ -53,10 +66,10 @@ class CompletionRequest(StrictModel):
     temperature: FiniteFloat = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1)  # vLLM extension; 0 or -1: no limit
-    n: StrictInt = 1
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)  # independent samples (seed + i each, when a seed is given)
     stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    stop: Text | list[Text] | None = None
+    stream_options: StreamOptions | None = None  # with stream only (as vLLM: a 400 otherwise)
+    stop: Stop = None
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
     logprobs: StrictInt | None = None
     echo: StrictBool = False
@@ -70,14 +83,6 @@ class CompletionRequest(StrictModel):
     suffix: StrictStr | None = None
     user: StrictStr | None = None  # accepted, not used (it does not change the output)
 
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, stop: str | list[str] | None) -> list[str]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > 4 or any(not s or len(s) > 64 for s in stops):
-            raise ValueError("stop takes at most 4 non-empty strings of at most 64 characters")
-        return stops
-
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server does not implement."""
         return next((name for name, allowed in NEUTRAL_VALUES.items() if getattr(self, name) not in allowed), None)
@@ -85,7 +90,6 @@ class CompletionRequest(StrictModel):
 
 # Fields accepted for compatibility only at values that leave the output unchanged.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (None, 1),
     "logprobs": (None,),
     "echo": (False,),
@@ -97,6 +101,85 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None,),
     "suffix": (None,),
 }
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessageBody(StrictModel):
+    """One message of a chat; content as a string or as text parts (joined)."""
+
+    model_config = ConfigDict(extra="ignore")  # e.g. tool_calls: null, as clients send them
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart]
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(StrictModel):
+    """OpenAI `POST /v1/chat/completions`. As for completions, fields this server does not
+    implement are accepted only at their neutral value."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}]})
+
+    model: StrictStr | None = None  # omitted: the first generator
+    messages: list[ChatMessageBody] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    temperature: FiniteFloat = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
+    top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(0, ge=-1)
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    presence_penalty: FiniteFloat = 0.0
+    frequency_penalty: FiniteFloat = 0.0
+    logit_bias: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    user: StrictStr | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The first field set to a value this server does not implement."""
+        neutral: dict[str, tuple[Any, ...]] = {
+            "logprobs": (False,),
+            "top_logprobs": (None, 0),
+            "presence_penalty": (0.0,),
+            "frequency_penalty": (0.0,),
+            "logit_bias": (None,),
+            "response_format": (None, {"type": "text"}),
+            "tools": (None, []),
+            "tool_choice": (None, "none"),
+        }
+        return next((name for name, allowed in neutral.items() if getattr(self, name) not in allowed), None)
+
+
+class TokenizeBody(StrictModel):
+    """vLLM's `POST /tokenize`: a prompt, or chat messages rendered by the model's template."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"prompt": "ROMEO:"}]})
+    model: StrictStr | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessageBody] | None = None
+    add_special_tokens: StrictBool = True  # a plain prompt's (ignored for messages: the template writes them)
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeBody(StrictModel):
+    """vLLM's `POST /detokenize`."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [40, 41]}]})
+    model: StrictStr | None = None
+    tokens: list[StrictInt] = Field(max_length=100_000)
 
 
 class TranslateRequest(StrictModel):
@@ -250,6 +333,64 @@ class CompletionChunk(CompletionFields):
     choices and the usage; with `continuous_usage_stats` every one has the usage so far."""
 
     usage: Usage | SkipJsonSchema[None] = None
+
+
+class ChatMessageOut(ResponseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None
+    finish_reason: Finish
+
+
+class ChatCompletionResponse(ResponseModel):
+    """`POST /v1/chat/completions` without `stream`."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(ResponseModel):
+    role: Literal["assistant"] | SkipJsonSchema[None] = None  # on each choice's first event only
+    content: str | SkipJsonSchema[None] = None
+
+
+class ChatChunkChoice(ResponseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: Finish | None
+
+
+class ChatCompletionChunk(ResponseModel):
+    """One event of a streamed chat: each choice's role first, then its content deltas, then its
+    finish reason; with include_usage a last event with no choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | SkipJsonSchema[None] = None
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | SkipJsonSchema[None] = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
 
 
 class CrossAttention(ResponseModel):

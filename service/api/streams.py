@@ -1,7 +1,12 @@
-"""What the routes share for answering: server-sent events, and their error event."""
+"""What the routes share for answering: server-sent events, their error event, and the merged
+streams of a request's n choices."""
 
+import asyncio
 import json
+from collections.abc import AsyncGenerator
 from typing import Any
+
+from service.protocol import Chunk
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -14,3 +19,39 @@ def sse_error(message: str, status: int) -> str:
     replica was lost, or a deadline passed) is a "server_error" that may be retried."""
     kind = {429: "rate_limit_error", 503: "server_error"}.get(status, "internal_error")
     return sse({"error": {"message": message, "type": kind, "param": None, "code": status}})
+
+
+async def merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """The chunks of several streams as they come, each with its stream's index (n choices of one
+    request). A stream's failure is raised after the others are closed; closing this closes all."""
+    if len(streams) == 1:  # the common case, without tasks
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, Chunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[Chunk, None]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((index, chunk))
+            await queue.put((index, None))
+        except Exception as error:
+            await queue.put((index, error))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

@@ -7,7 +7,7 @@ their text translated (service/api/html_text.py).
 """
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -83,24 +83,6 @@ def split_texts(texts: list[str], config: ServiceConfig, param: str) -> list[lis
 def plain_text(document: str, text_format: TextFormat) -> str:
     """What the translator would see of a document."""
     return document if text_format == "text" else "\n".join(HtmlDocument.parse(document).block_texts())
-
-
-async def open_sentences(
-    backend: ModelBackend, config: ServiceConfig, sentences: list[str], template: GenerateRequest
-) -> list[AsyncGenerator[Chunk, None]]:
-    """One admitted stream per sentence, all admitted before any result is awaited; if one is
-    refused, the others are closed (cancelled) and the refusal is raised."""
-    streams = await asyncio.gather(
-        *(open_stream(backend, replace(template, text=s), config.retry_after_seconds) for s in sentences),
-        return_exceptions=True,
-    )
-    failure = next((s for s in streams if isinstance(s, BaseException)), None)
-    if failure is not None:
-        for s in streams:
-            if not isinstance(s, BaseException):
-                await s.aclose()
-        raise failure
-    return streams  # type: ignore[return-value]
 
 
 async def translate_texts(

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.backend import MODEL_EXTENSION, Backends, ModelBackend, attention_map, open_stream
+from service.api.backend import MODEL_EXTENSION, Backends, ModelBackend, attention_map, open_stream, open_streams
 from service.api.errors import APIError
 from service.api.routing import translator_for
 from service.api.schemas import MODEL_ERRORS, TranslateChunk, TranslateRequest, TranslateResponse, event_stream
@@ -19,7 +19,6 @@ from service.api.streams import sse, sse_error
 from service.api.translation import (
     TextTranslation,
     check_size,
-    open_sentences,
     plain_text,
     split_texts,
     translate_documents,
@@ -74,7 +73,8 @@ async def translate(body: TranslateRequest, request: Request) -> Any:
         def open_sentence(sentence: str) -> Awaitable[AsyncGenerator[Chunk, None]]:
             return open_stream(backend, replace(template, text=sentence), config.retry_after_seconds)
 
-        first = await open_sentences(backend, config, sentences[: config.sentences_in_flight], template)
+        first_requests = [replace(template, text=s) for s in sentences[: config.sentences_in_flight]]
+        first = await open_streams(backend, first_requests, config.retry_after_seconds)
         return StreamingResponse(stream_sentences(texts[0], spans, first, open_sentence), media_type="text/event-stream")
     if body.return_attention:
         count = sum(len(spans) for spans in split_texts(texts, config, "text"))

@@ -190,7 +190,7 @@ class Engine:
         if token is None:
             return None  # a beam search still running: nothing to stream
         self._token_timing(r, now, 1, report)
-        if token == self.runner.eos_id:
+        if token in self.runner.eos_ids:
             self.scheduler.finish(r, "stop")
             return self._finish(r, "stop", report)
         r.output_ids.append(token)

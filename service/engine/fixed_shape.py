@@ -1,60 +1,154 @@
-"""The generator's decode step with fixed shapes, captured as a CUDA graph on the GPU.
+"""Decode steps with fixed shapes by bucket, captured as CUDA graphs on the GPU (as vLLM does).
 
-Every slot takes part in every step (idle slots feed the model's pad and write to the last cache
-position, which a sequence overwrites before it reads it) and every step attends over the cache's
-whole length (the serving context), so one graph serves all steps. On the CPU the same
-fixed-shape step runs eagerly (used to test it). The runner suppresses ids in the logits it returns.
+A step of shape (B, L) runs cache rows [0, B) and attends over keys [0, L): B is the smallest batch
+bucket (1, 2, 4, ... and n_slots) that holds the highest running slot, L the smallest key-length
+bucket (64, 128, ... and the cache's length) past the furthest position; the translator's step
+also reads source keys [0, S) for the smallest source bucket S past its longest source. Rows and
+keys are read as views of the caches (no gather): the scheduler hands out the lowest free slots,
+so the highest slot is near the number of running sequences. Rows [0, B) not running this step
+are idle: they feed the model's pad at the cache's last position (which every sequence writes
+before it reads it) and their logits are dropped.
+
+On CUDA each shape's graph is captured the first time a step needs it (lazily: at most the
+buckets the traffic reaches, len(batch buckets) x len(key buckets) [x len(source buckets)]), all
+in one memory pool. On the CPU the same fixed-shape step runs eagerly (to test it against the
+dynamic step). The steps return logits; the runner suppresses ids and samples.
 """
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from model.generator import Generator
-from model.kv_cache import KVCache
+from model.kv_cache import CrossAttentionCache, KVCache
+from model.translator import Translator
+
+SMALLEST_KEY_BUCKET = 64  # below it, a step's attention costs too little to be worth a graph of its own
+WARM_UP_STEPS = 2  # before a capture: the allocator and the kernels' lazy set-up run outside the graph
+
+Fed = dict[int, tuple[int, int]]  # slot -> (token, position) of every sequence running a step
 
 
-class FixedShapeDecoder:
-    def __init__(self, model: Generator, cache: KVCache, capture: bool) -> None:
+def buckets(limit: int, smallest: int = 1) -> list[int]:
+    """The sizes captured up to limit: powers of two from smallest while below limit, then limit."""
+    sizes = []
+    size = smallest
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, limit]
+
+
+def bucket(size: int, sizes: Sequence[int]) -> int:
+    """The smallest of sizes (ascending) that is at least size."""
+    for s in sizes:
+        if s >= size:
+            return s
+    raise ValueError(f"{size} is beyond the largest bucket {sizes[-1]}")
+
+
+class StepShape(NamedTuple):
+    batch: int  # cache rows [0, batch)
+    length: int  # self-attention keys [0, length)
+    source: int  # cross-attention keys [0, source); 0 for a decoder-only model
+
+
+class BucketedDecoder:
+    """Static inputs for every cache row and, per step shape, the step (on CUDA its graph).
+    Subclasses say what one step of a shape computes (`_step`)."""
+
+    def __init__(self, cache: KVCache, pad_id: int, capture: bool, source_length: int = 0) -> None:
+        """source_length: the cross-attention cache's length (0: none)."""
         device = cache.keys[0].device
-        n, self.max_len = cache.n_slots, cache.max_len
-        self.model, self.cache = model, cache
-        self.pad_id = model.config.pad_id
-        self.ids = torch.full((n, 1), self.pad_id, dtype=torch.long, device=device)  # (N, 1) static input buffers
-        self.positions = torch.full((n, 1), self.max_len - 1, dtype=torch.long, device=device)
-        self.slots = torch.arange(n, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: Tensor | None = None
-        if capture:
-            self._capture()
+        self.cache, self.pad_id, self.capture = cache, pad_id, capture
+        self.inputs = torch.zeros(2, cache.n_slots, 1, dtype=torch.long, device=device)  # static: ids and positions
+        self.ids, self.positions = self.inputs[0], self.inputs[1]  # (N, 1) each
+        self.batch_sizes = buckets(cache.n_slots)
+        self.key_lengths = buckets(cache.max_len, SMALLEST_KEY_BUCKET)
+        self.source_lengths = buckets(source_length, SMALLEST_KEY_BUCKET) if source_length else [0]
+        self.graphs: dict[StepShape, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def shape_for(self, fed: Fed, source_length: int = 0) -> StepShape:
+        """The smallest bucketed shape that runs every slot of fed at its position."""
+        furthest = max(position for _, position in fed.values())
+        assert furthest < self.cache.max_len, "position beyond the cache"
+        return StepShape(
+            bucket(max(fed) + 1, self.batch_sizes), bucket(furthest + 1, self.key_lengths), bucket(source_length, self.source_lengths)
+        )
+
+    def _step(self, shape: StepShape) -> Callable[[], Tensor]:
+        """The step of this shape over the static inputs' rows [0, shape.batch): logits (B, V)."""
+        raise NotImplementedError
 
     @torch.no_grad()
-    def _forward(self) -> Tensor:
-        views = self.cache.views(self.slots, self.positions, self.max_len)
-        return self.model(self.ids, self.positions, views, self.max_len)[:, -1]  # (N, V)
+    def __call__(self, fed: Fed, source_length: int = 0) -> Tensor:
+        """Logits (R, V) of the next token for the sequences of fed, in its order; source_length:
+        the longest source among them (translator)."""
+        shape = self.shape_for(fed, source_length)
+        host = torch.empty(2, shape.batch, 1, dtype=torch.long)  # (2, B, 1): ids, positions
+        host[0], host[1] = self.pad_id, self.cache.max_len - 1  # idle rows
+        slots = torch.tensor(list(fed))
+        host[:, slots, 0] = torch.tensor(list(fed.values())).T  # (2, R)
+        self.inputs[:, : shape.batch].copy_(host)  # one host-to-device copy
+        logits = self._replay(shape) if self.capture else self._step(shape)()
+        return logits.index_select(0, slots.to(logits.device))
 
-    def _capture(self) -> None:
+    def _replay(self, shape: StepShape) -> Tensor:
+        if shape not in self.graphs:
+            self.graphs[shape] = self._capture(self._step(shape))
+        graph, logits = self.graphs[shape]
+        graph.replay()
+        return logits
+
+    def _capture(self, step: Callable[[], Tensor]) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """The step's graph and its output. Warm-up runs really run: on the inputs of the step
+        about to replay, so they write what it writes."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(3):  # warm-up outside the graph (allocator, kernels)
-                self._forward()
+            for _ in range(WARM_UP_STEPS):
+                step()
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._forward()
-        self.positions.fill_(self.max_len - 1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        return graph, logits
 
-    @torch.no_grad()
-    def __call__(self, slots: list[int], tokens: list[int], positions: list[int]) -> Tensor:
-        """Logits (B, V) of the next token for the sequences in `slots` fed `tokens` at `positions`."""
-        assert max(positions) < self.max_len, "position beyond the cache"
-        rows = torch.tensor(slots, device=self.ids.device)
-        self.ids.fill_(self.pad_id)
-        self.positions.fill_(self.max_len - 1)
-        self.ids[rows, 0] = torch.tensor(tokens, device=self.ids.device)
-        self.positions[rows, 0] = torch.tensor(positions, device=self.ids.device)
-        if self.graph is not None:
-            self.graph.replay()
-            assert self.logits is not None
-            return self.logits[rows]
-        return self._forward()[rows]
+
+class GeneratorDecoder(BucketedDecoder):
+    """The generator's decode step by bucket."""
+
+    def __init__(self, model: Generator, cache: KVCache, capture: bool) -> None:
+        super().__init__(cache, model.config.pad_id, capture)
+        self.model = model
+
+    def _step(self, shape: StepShape) -> Callable[[], Tensor]:
+        ids, positions = self.ids[: shape.batch], self.positions[: shape.batch]  # (B, 1) each
+        views = self.cache.views(range(shape.batch), positions, shape.length)  # rows [0, B): read as views
+
+        def step() -> Tensor:
+            return self.model(ids, positions, views, shape.length)[:, -1]  # (B, V)
+
+        return step
+
+
+class TranslatorDecoder(BucketedDecoder):
+    """The translator's decoder step by bucket: self-attention over its cache, cross-attention over
+    each row's own copy of its source's keys (memory_group 1: a beam row reads its copy)."""
+
+    def __init__(self, model: Translator, cache: KVCache, cross_cache: CrossAttentionCache, capture: bool) -> None:
+        super().__init__(cache, model.config.pad_id, capture, cross_cache.length)
+        self.model, self.cross_cache = model, cross_cache
+
+    def _step(self, shape: StepShape) -> Callable[[], Tensor]:
+        ids, positions = self.ids[: shape.batch], self.positions[: shape.batch]  # (B, 1) each
+        views = self.cache.views(range(shape.batch), positions, shape.length)
+        memory_kv, src_mask = self.cross_cache.read(range(shape.batch), shape.source)  # (B, H, S, D) per layer, (B, 1, 1, S)
+
+        def step() -> Tensor:
+            return self.model.decode(ids, memory_kv, src_mask, positions, views, shape.length)[:, -1]  # (B, V)
+
+        return step

@@ -17,7 +17,7 @@ from model.tokenizer import TextTokenizer
 from model.translate import max_new_tokens_for, pad_batch
 from model.translator import Translator
 from service.engine.config import serving_context
-from service.engine.fixed_shape import FixedShapeDecoder
+from service.engine.fixed_shape import Fed, GeneratorDecoder, TranslatorDecoder
 from service.engine.request import Request
 from service.engine.scheduler import SchedulerOutput
 
@@ -34,11 +34,13 @@ class RunnerOutput:
 
 
 class ModelRunner(Protocol):
-    """Special ids are the model's (its config): eos_id ends a sequence, its suppressed_ids are
-    never generated, and sizes follow the serving context (EngineConfig.max_context)."""
+    """Special ids are the model's (its config): any of eos_ids ends a sequence, its suppressed_ids
+    are never generated, and sizes follow the serving context (EngineConfig.max_context)."""
 
     tokenizer: TextTokenizer
-    eos_id: int  # a streamed sequence's token that ends it (never emitted as text)
+    eos_id: int  # the model's first end-of-sequence id (a translator's source ends with it)
+    eos_ids: frozenset[int]  # a streamed sequence's tokens that end it (never emitted as text)
+    max_len: int  # the serving context: a sequence's prompt and output together
     max_prompt_len: int  # longest prompt (generator) or source (translator), in tokens
     strip_leading_space: bool  # output text starts without the word-boundary space its first token carries
 
@@ -78,28 +80,31 @@ class GeneratorRunner:
         fixed_shape_decode: bool | None = None,
         max_context: int | None = None,
     ) -> None:
-        """fixed_shape_decode: decode through a captured CUDA graph (default: on CUDA devices).
+        """fixed_shape_decode: decode through fixed-shape steps by bucket, CUDA graphs on a GPU
+        (service/engine/fixed_shape.py; default: on CUDA devices, eager on others).
         max_context: EngineConfig.max_context (None: its default), the cache's length."""
         c = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         self.max_len = serving_context(max_context, c.max_len)  # prompt + output
-        self.cache = KVCache(c.n_layers, n_slots, c.n_heads, self.max_len, c.head_dim, self.device, dtype)
+        self.cache = KVCache(c.n_layers, n_slots, c.kv_heads, self.max_len, c.head_dim, self.device, dtype)  # keys of the KV heads
         self.max_prompt_len = self.max_len - 1
         self.bos_id, self.eos_id, self.pad_id = c.bos_id, c.eos_id, c.pad_id
+        self.eos_ids = frozenset(c.eos_ids)
         self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = False  # a play's text keeps its layout
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
-        self.fixed_shape = FixedShapeDecoder(model, self.cache, capture=self.device.type == "cuda") if fixed_shape_decode else None
+        self.fixed_shape = GeneratorDecoder(model, self.cache, capture=self.device.type == "cuda") if fixed_shape_decode else None
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - prompt_length
 
     def encode_prompt(self, text: str) -> list[int]:
-        """The text's ids; bos alone for text without tokens (generation from nothing)."""
-        return self.tokenizer.encode(text) or [self.bos_id]
+        """The text's ids with the special tokens the model's tokenizer puts before a prompt (a
+        Llama's bos); bos alone for text without tokens (generation from nothing)."""
+        return self.tokenizer.encode_prompt(text) or [self.bos_id]
 
     def default_max_tokens(self, prompt_length: int) -> int:
         return self.max_new_tokens(prompt_length)
@@ -130,21 +135,19 @@ class GeneratorRunner:
         return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
 
     def _decode(self, requests: list[Request]) -> dict[str, int]:
+        logits = self.decode_logits({r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests})
+        tokens = _sample(suppress(logits, self.suppressed), requests)
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+
+    def decode_logits(self, fed: Fed) -> Tensor:
+        """Next-token logits (R, V) of one decode step, a row per sequence of fed (slot -> (token,
+        position)) in its order, suppressed ids not yet applied: the fixed-shape step or the dynamic one."""
         if self.fixed_shape is not None:
-            logits = self.fixed_shape(
-                [r.slots[0] for r in requests],
-                [r.output_ids[-1] for r in requests],
-                [len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests],
-            )
-            tokens = _sample(suppress(logits, self.suppressed), requests)
-            return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
-        fed = {r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests}
+            return self.fixed_shape(fed)
         step = decode_step(fed, self.max_len, self.pad_id, self.device)
         views = self.cache.views(step.rows, step.positions, step.length)
-        logits = self.model(step.ids, step.positions, views, step.length)[:, -1]  # (R, V)
-        rows = torch.tensor([step.row_of[r.slots[0]] for r in requests], device=self.device)
-        tokens = _sample(suppress(logits.index_select(0, rows), self.suppressed), requests)
-        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        logits = self.model(step.ids, step.positions, views, step.length)[:, -1]  # (rows, V)
+        return logits.index_select(0, torch.tensor([step.row_of[s] for s in fed], device=self.device))
 
 
 def _position(r: Request) -> int:
@@ -203,9 +206,16 @@ class TranslatorRunner:
     """Encoder-decoder: new sources are encoded once (their cross-attention keys/values written to
     their slots), then every running sequence, each beam a row, takes one decoder step together."""
 
-    def __init__(self, model: Translator, tokenizer: TextTokenizer, n_slots: int, max_context: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Translator,
+        tokenizer: TextTokenizer,
+        n_slots: int,
+        max_context: int | None = None,
+        fixed_shape_decode: bool | None = None,
+    ) -> None:
         """max_context: EngineConfig.max_context (None: its default), the length of the source
-        (cross-attention) and target caches."""
+        (cross-attention) and target caches. fixed_shape_decode: as GeneratorRunner's."""
         c = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -216,8 +226,13 @@ class TranslatorRunner:
         self.cross_cache = CrossAttentionCache(n_layers, n_slots, c.n_heads, self.max_len, c.head_dim, self.device, dtype)
         self.max_prompt_len = self.max_len
         self.start_id, self.eos_id, self.pad_id = c.start_id, c.eos_id, c.pad_id
+        self.eos_ids = frozenset(c.eos_ids)
         self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
+        if fixed_shape_decode is None:
+            fixed_shape_decode = self.device.type == "cuda"
+        capture = self.device.type == "cuda"
+        self.fixed_shape = TranslatorDecoder(model, self.cache, self.cross_cache, capture) if fixed_shape_decode else None
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - 1  # position 0 holds the start token
@@ -259,22 +274,16 @@ class TranslatorRunner:
         return [s[-1] if s else self.start_id for s in sequences]
 
     def _decode(self, requests: list[Request], output: RunnerOutput) -> None:
-        """One decoder step for every running sequence (each beam a row). The step runs the span of
-        cache rows `decode_rows` picks, idle rows included (as the generator's), so the caches are
-        read through views. When the rows are aligned blocks of one beam width (`beam_group`), a
-        sentence's beams read its cross-attention keys once. Then beams are reordered with one copy
-        of the written prefix for all rows of the step that take another row's cache."""
+        """One decoder step for every running sequence (each beam a row), then beams are reordered
+        with one copy of the written prefix for all rows of the step that take another row's cache."""
         fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
-        step = decode_step(fed, self.max_len, self.pad_id, self.device)
-        group = beam_group([r.slots for r in requests], step.rows)  # rows sharing a source: read its keys once
-        memory_kv, src_mask = self.cross_cache.read(step.rows[::group], max(len(r.prompt_ids) for r in requests))
-        views = self.cache.views(step.rows, step.positions, step.length)
-        logits = self.model.decode(step.ids, memory_kv, src_mask, step.positions, views, step.length, group)[:, -1]  # (R, V)
+        logits = self.decode_logits(fed, [r.slots for r in requests], max(len(r.prompt_ids) for r in requests))  # (R, V)
         suppress(logits, self.suppressed)  # once for the step's beams and streamed rows alike
+        row_of = {slot: i for i, slot in enumerate(fed)}
         beams = [r for r in requests if r.beams is not None]
         streamed = [r for r in requests if r.beams is None]
         if beams:
-            beam_rows = torch.tensor([step.row_of[s] for r in beams for s in r.slots], device=self.device)
+            beam_rows = torch.tensor([row_of[s] for r in beams for s in r.slots], device=self.device)
             log_probs = F.log_softmax(logits.index_select(0, beam_rows).float(), dim=-1)  # (sum of K, V)
             states = [r.beams for r in beams if r.beams is not None]
             sources, targets = [], []
@@ -286,11 +295,28 @@ class TranslatorRunner:
                 if state.done:
                     output.hypotheses[r.request_id] = state.best(r.params.n_best)
             if sources:
-                self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), step.length)
+                written = max(position for _, position in fed.values()) + 1
+                self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), written)
         if streamed:
-            streamed_rows = torch.tensor([step.row_of[r.slots[0]] for r in streamed], device=self.device)
+            streamed_rows = torch.tensor([row_of[r.slots[0]] for r in streamed], device=self.device)
             sampled = _sample(logits.index_select(0, streamed_rows), streamed)
             output.tokens.update({r.request_id: t for r, t in zip(streamed, sampled, strict=True)})
+
+    def decode_logits(self, fed: Fed, slots_of_requests: list[list[int]], source_length: int) -> Tensor:
+        """Next-token logits (R, V) of one decoder step, a row per sequence of fed (slot -> (token,
+        position)) in its order, suppressed ids not yet applied; source_length: the longest source.
+        The fixed-shape step, or the dynamic one: it runs the span of cache rows `decode_rows`
+        picks, idle rows included (as the generator's), so the caches are read through views, and
+        when the rows are aligned blocks of one beam width (`beam_group`, from each request's
+        slots), a sentence's beams read its cross-attention keys once."""
+        if self.fixed_shape is not None:
+            return self.fixed_shape(fed, source_length)
+        step = decode_step(fed, self.max_len, self.pad_id, self.device)
+        group = beam_group(slots_of_requests, step.rows)  # rows sharing a source: read its keys once
+        memory_kv, src_mask = self.cross_cache.read(step.rows[::group], source_length)
+        views = self.cache.views(step.rows, step.positions, step.length)
+        logits = self.model.decode(step.ids, memory_kv, src_mask, step.positions, views, step.length, group)[:, -1]  # (rows, V)
+        return logits.index_select(0, torch.tensor([step.row_of[s] for s in fed], device=self.device))
 
     @staticmethod
     def _step_of(r: Request) -> int:

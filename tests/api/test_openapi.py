@@ -14,8 +14,9 @@ from schemathesis.specs.openapi.checks import content_type_conformance, response
 from service.api.app import HEALTH_PATHS, ROUTERS, create_api
 from service.api.auth import BODY_KEY_PATHS, is_public
 from service.api.backend import MODEL_EXTENSION, model_of_path
+from service.api.errors import uses_openai_errors
 from service.config import ServiceConfig
-from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
+from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, TokenizeRequest, Tokens
 from tests.helpers import backends_for
 
 BROKEN = "break"  # a text whose request fails in the engine after it started
@@ -26,7 +27,7 @@ class FakeModel:
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
         yield Chunk("", None, (), 3, 0)
-        if request.text == BROKEN:
+        if BROKEN in (request.text, *(content for _, content in request.messages or ())):
             yield Chunk("", "error")
             return
         yield Chunk("Ein", None, (), 3, 1)
@@ -34,6 +35,14 @@ class FakeModel:
 
     async def attention(self, request: AttentionRequest) -> AttentionMap | Refusal:
         return AttentionMap(("A", "</s>"), ("Ein", "</s>"), [[[[1.0, 0.0], [0.5, 0.5]]]])
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokens | Refusal:
+        if request.messages is not None:
+            return Refusal("invalid", "the model has no chat template", "messages")
+        return Tokens((5, 6), ("A", " dog"), 256)
+
+    async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
+        return "A dog"
 
     async def ready(self) -> bool:
         return True
@@ -71,14 +80,14 @@ def test_every_status_of_every_route_has_a_response_schema(method: str, path: st
     assert responses["200"]["content"] and all(media.get("schema") for media in responses["200"]["content"].values())
     errors = {int(status) for status in responses if status != "200"}
     assert errors >= expected_errors(method, path, operation)
-    error_body = "Readiness" if path == "/readyz" else "OpenAIError" if path.startswith("/v1/") else "LibreTranslateError"
+    error_body = "Readiness" if path == "/readyz" else "OpenAIError" if uses_openai_errors(path) else "LibreTranslateError"
     for status in errors:
         schema = responses[str(status)]["content"]["application/json"]["schema"]
         assert error_body in (schema.get("$ref", "").rpartition("/")[2], schema.get("title")), status
 
 
 def test_streaming_routes_document_their_events_and_their_json() -> None:
-    for path in ("/v1/completions", "/v1/translate"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/translate"):
         content = API.openapi()["paths"][path]["post"]["responses"]["200"]["content"]
         assert set(content) == {"application/json", "text/event-stream"}, path
 
@@ -102,6 +111,14 @@ ANSWERS: list[tuple[str, str, Any, int]] = [
     ),
     ("POST", "/v1/completions", {"prompt": BROKEN, "stream": True}, 200),
     ("POST", "/v1/completions", {"prompt": "ROMEO:", "model": "no-such-model"}, 404),
+    ("POST", "/v1/completions", {"prompt": "ROMEO:", "n": 2, "seed": 1}, 200),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, 200),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True}, 200),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": BROKEN}], "stream": True}, 200),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [{}]}, 400),
+    ("POST", "/tokenize", {"prompt": "A dog", "return_token_strs": True}, 200),
+    ("POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}, 400),
+    ("POST", "/detokenize", {"tokens": [5, 6]}, 200),
     ("POST", "/v1/translate", {"text": ["A dog. A cat.", "Hi."], "alternatives": 1, "return_attention": True}, 200),
     ("POST", "/v1/translate", {"text": "<p>A dog.</p>", "format": "html"}, 200),
     ("POST", "/v1/translate", {"text": "A dog. A cat.", "stream": True}, 200),
@@ -153,6 +170,7 @@ def test_every_route_that_reaches_a_model_declares_which_so_failures_count_again
     declared = model_of_path(ROUTERS)
     assert declared == {
         "/v1/completions": "generator",
+        "/v1/chat/completions": "generator",
         "/v1/attention": "generator",
         "/v1/translate": "translator",
         "/translate": "translator",

@@ -69,7 +69,7 @@ def deployed() -> Iterator[Deployed]:
                 port = free_port()
                 # The generator can be held by the rollout test (fault injection, tests only); its
                 # engine is then stalled on purpose, so its heartbeat is allowed as long.
-                held = {"generator": {"fault_injection": True, "heartbeat_timeout_s": 600}}
+                held = {GENERATOR: {"fault_injection": True, "heartbeat_timeout_s": 600}}
                 cluster.deploy(write_config(cluster_config(port, models=held), directory / "v1.json"))
                 cluster.wait_for(ReplicaCheck(running={TRANSLATOR: 1, GENERATOR: 1}))
                 yield Deployed(cluster, f"http://127.0.0.1:{port}", port, monitor and monitor.url, directory)
@@ -261,8 +261,8 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
     # A new checkpoint folder for the translator, new engine limits and pacing for the generator.
     checkpoint = shutil.copytree(ROOT / "model" / "checkpoints" / "translator-en-de", deployed.directory / "translator-en-de-v2")
     models = {
-        "translator": {"checkpoint": str(checkpoint)},
-        "generator": {"engine": {"n_slots": 24, "max_waiting": 48, "default_max_tokens": 16}, "stream_interval_ms": 20},
+        TRANSLATOR: {"checkpoint": str(checkpoint)},
+        GENERATOR: {"engine": {"n_slots": 24, "max_waiting": 48, "default_max_tokens": 16}, "stream_interval_ms": 20},
     }
     v2 = write_config(cluster_config(deployed.port, models=models), deployed.directory / "v2.json")
     load = Load(streams=6, completions=1, translations=2, max_requests=BROKEN_CLUSTER_REQUESTS, max_tokens=200)
@@ -276,7 +276,9 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
     assert timeline.settled is not None and not old & {r.replica_id for r in final}, final
     assert {r.deployment for r in final} == {"Ingress", *MODEL_DEPLOYMENTS}
     app = cluster.application()
-    assert app is not None and app["deployed_app_config"]["args"]["translator"]["checkpoint"] == str(checkpoint)
+    assert app is not None
+    (translator,) = [m for m in app["deployed_app_config"]["args"]["models"] if m["name"] == TRANSLATOR]
+    assert translator["checkpoint"] == str(checkpoint)
 
     # The held stream: answered only after the switch was seen, in full, with the model's text.
     assert "released" in held and held["ended"] > held["released"], held

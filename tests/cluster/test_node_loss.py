@@ -45,8 +45,8 @@ def cluster() -> Iterator[tuple[LocalCluster, str]]:
             config["proxy_location"] = "HeadOnly"
             args = config["applications"][0]["args"]
             args["ingress_actor_options"] = {"resources": {"head": 0.01}}
-            for model in ("translator", "generator"):
-                deployment = args[model]["deployment"]
+            for model in args["models"]:
+                deployment = model["deployment"]
                 deployment.pop("autoscaling_config")
                 deployment["num_replicas"] = 2
             cluster.deploy(write_config(config, directory / "config.json"))

@@ -11,7 +11,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.errors import QueueFullError
 from service.engine.request import Delta, GenerationParams
-from tests.helpers import FakeRunner
+from tests.engine.helpers import FakeRunner
 
 
 async def collect(stream: object) -> list[Delta]:

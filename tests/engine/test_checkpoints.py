@@ -14,14 +14,21 @@ from model.translate import greedy_translate
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
-from tests.helpers import run
+from tests.engine.helpers import run
 
 WEIGHTS: list[WeightType] = [torch.float32, "int8"]
 
 
+def on_device(device: str, weights: WeightType) -> str:
+    """device, or a skip: int8 weights run on the CPU only (model/quantize.py)."""
+    if weights == "int8" and device != "cpu":
+        pytest.skip("int8 weights run on the CPU only")
+    return device
+
+
 @pytest.mark.parametrize("weights", WEIGHTS)
-def test_generator_engine_equals_recomputation_on_the_shipped_checkpoint(weights: WeightType) -> None:
-    engine = Engine.from_checkpoint(DEFAULT_GENERATOR, EngineConfig(n_slots=4), "cpu", weights)
+def test_generator_engine_equals_recomputation_on_the_shipped_checkpoint(weights: WeightType, device: str) -> None:
+    engine = Engine.from_checkpoint(DEFAULT_GENERATOR, EngineConfig(n_slots=4), on_device(device, weights), weights)
     prompts = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING"]
     requests = [
         Request(f"g{i}", engine.runner.encode_prompt(p), GenerationParams(sampling=GREEDY, max_tokens=30 + 10 * i))
@@ -33,11 +40,11 @@ def test_generator_engine_equals_recomputation_on_the_shipped_checkpoint(weights
         assert batched[r.request_id] == generate_greedy_uncached(model, r.prompt_ids, r.params.max_tokens)
 
 
-def test_idle_rows_in_the_decode_span_leave_outputs_unchanged() -> None:
+def test_idle_rows_in_the_decode_span_leave_outputs_unchanged(device: str) -> None:
     # Slots 0-5 fill; 1-4 finish early, so 0 and 5 decode alone (rows gathered: span 6 > 2 x 2).
     # g6 joins slot 1, so rows 0-5 decode as one span with idle rows 2-4 feeding pad tokens; g7 is
     # prefilled into row 2 in a step whose decode span still runs row 2 as idle.
-    engine = Engine.from_checkpoint(DEFAULT_GENERATOR, EngineConfig(n_slots=8))
+    engine = Engine.from_checkpoint(DEFAULT_GENERATOR, EngineConfig(n_slots=8), device)
     lengths = [30, 2, 2, 2, 2, 30, 12, 12]
     prompts = ["ROMEO:\n", "A", "B", "C", "D", "JULIET:\nO Romeo", "KING HENRY:\n", "First Citizen:\nWe are"]
     requests = [
@@ -52,15 +59,15 @@ def test_idle_rows_in_the_decode_span_leave_outputs_unchanged() -> None:
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
-def test_translator_engine_equals_recomputation_on_the_shipped_checkpoint(weights: WeightType) -> None:
+def test_translator_engine_equals_recomputation_on_the_shipped_checkpoint(weights: WeightType, device: str) -> None:
     sentences = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")[:8]
-    engine = Engine.from_checkpoint(DEFAULT_TRANSLATOR, EngineConfig(n_slots=8), "cpu", weights)
+    engine = Engine.from_checkpoint(DEFAULT_TRANSLATOR, EngineConfig(n_slots=8), on_device(device, weights), weights)
     requests = [
         Request(f"t{i}", engine.runner.encode_prompt(s), GenerationParams(sampling=GREEDY, max_tokens=40)) for i, s in enumerate(sentences)
     ]
     batched = run(engine, {0: requests[:4], 3: requests[4:]})
     model = engine.runner.model  # type: ignore[attr-defined]
-    src = pad([r.prompt_ids for r in requests])
+    src = pad([r.prompt_ids for r in requests]).to(device)
     expected = greedy_translate_uncached(model, src, 40)
     assert [batched[r.request_id] for r in requests] == expected
     assert greedy_translate(model, src, 40) == expected

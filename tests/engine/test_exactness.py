@@ -16,21 +16,23 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner, TranslatorRunner, beam_group, decode_rows
-from tests.helpers import PROMPTS, FakeTokenizer, context_sensitive_generator, run
+from tests.engine.helpers import PROMPTS, FakeTokenizer, context_sensitive_generator, run
 
 
-def generator_engine(n_slots: int = 8) -> Engine:
-    model = context_sensitive_generator()
+def generator_engine(n_slots: int = 8, device: str = "cpu") -> Engine:
+    """On CUDA the runner decodes through its CUDA graphs (its default there)."""
+    model = context_sensitive_generator(device)
     return Engine(GeneratorRunner(model, FakeTokenizer(), n_slots), EngineConfig(n_slots=n_slots))  # type: ignore[arg-type]
 
 
-def translator_engine(n_slots: int = 16) -> Engine:
+def translator_engine(n_slots: int = 16, device: str = "cpu", fixed_shape_decode: bool | None = None) -> Engine:
     torch.manual_seed(2)
-    model = Translator(TranslatorConfig.preset("tiny")).eval()
-    return Engine(TranslatorRunner(model, FakeTokenizer(), n_slots), EngineConfig(n_slots=n_slots))  # type: ignore[arg-type]
+    model = Translator(TranslatorConfig.preset("tiny")).eval().to(device)
+    runner = TranslatorRunner(model, FakeTokenizer(), n_slots, fixed_shape_decode=fixed_shape_decode)  # type: ignore[arg-type]
+    return Engine(runner, EngineConfig(n_slots=n_slots))
 
 
-def test_generator_batched_with_joins_and_leaves_equals_alone_and_recomputation() -> None:
+def test_generator_batched_with_joins_and_leaves_equals_alone_and_recomputation(device: str) -> None:
     lengths = [12, 5, 20, 3, 9]
 
     def requests() -> list[Request]:
@@ -39,11 +41,11 @@ def test_generator_batched_with_joins_and_leaves_equals_alone_and_recomputation(
             for i, (p, n) in enumerate(zip(PROMPTS, lengths, strict=True))
         ]
 
-    batched = run(generator_engine(), {0: requests()[:2], 2: requests()[2:4], 7: requests()[4:]})
+    batched = run(generator_engine(device=device), {0: requests()[:2], 2: requests()[2:4], 7: requests()[4:]})
     for i, r in enumerate(requests()):
-        alone = run(generator_engine(), {0: [r]})
+        alone = run(generator_engine(device=device), {0: [r]})
         assert batched[r.request_id] == alone[r.request_id]
-        reference = generate_greedy_uncached(generator_engine().runner.model, PROMPTS[i], lengths[i])  # type: ignore[attr-defined]
+        reference = generate_greedy_uncached(context_sensitive_generator(device), PROMPTS[i], lengths[i])
         expected = reference[: reference.index(EOS_ID)] if EOS_ID in reference else reference
         assert batched[r.request_id] == expected
 
@@ -73,19 +75,19 @@ def test_abort_mid_batch_leaves_the_others_unchanged_and_frees_the_slot() -> Non
     assert engine.scheduler.slots.num_free == 8 and not engine.has_work
 
 
-def test_translator_engine_greedy_equals_offline_greedy_while_requests_come_and_go() -> None:
+def test_translator_engine_greedy_equals_offline_greedy_while_requests_come_and_go(device: str) -> None:
     sources = [[5, 9, 13, 7, EOS_ID], [40, EOS_ID], [8, 8, 8, 8, 8, 8, EOS_ID], [21, 33, EOS_ID]]
     requests = [Request(f"t{i}", s, GenerationParams(sampling=GREEDY, max_tokens=12)) for i, s in enumerate(sources)]
-    engine = translator_engine()
+    engine = translator_engine(device=device)
     batched = run(engine, {0: requests[:2], 3: requests[2:]})
     model = engine.runner.model  # type: ignore[attr-defined]
     for i, s in enumerate(sources):
-        assert batched[f"t{i}"] == greedy_translate_uncached(model, torch.tensor([s]), 12)[0]
+        assert batched[f"t{i}"] == greedy_translate_uncached(model, torch.tensor([s], device=device), 12)[0]
 
 
-def test_translator_engine_beam_search_equals_offline_beam_search() -> None:
+def test_translator_engine_beam_search_equals_offline_beam_search(device: str) -> None:
     sources = [[5, 9, 13, 7, EOS_ID], [40, 41, EOS_ID], [8, 8, 8, EOS_ID]]
-    engine = translator_engine()
+    engine = translator_engine(device=device)
     finals = {}
     arrivals = {
         0: [Request("b0", sources[0], GenerationParams(sampling=GREEDY, max_tokens=10, beam_size=4, n_best=2))],
@@ -101,11 +103,11 @@ def test_translator_engine_beam_search_equals_offline_beam_search() -> None:
             if d.finish_reason is not None:
                 finals[d.request_id] = d
     model = engine.runner.model  # type: ignore[attr-defined]
-    expected = beam_search(model, torch.tensor([sources[0]]), beam_size=4, max_new_tokens=10, n_best=2)[0]
+    expected = beam_search(model, torch.tensor([sources[0]], device=device), beam_size=4, max_new_tokens=10, n_best=2)[0]
     tokenizer = FakeTokenizer()
     assert finals["b0"].text == tokenizer.decode(expected[0].tokens)
     assert finals["b0"].alternatives == [tokenizer.decode(expected[1].tokens)]
-    expected2 = beam_search(model, torch.tensor([sources[2]]), beam_size=3, max_new_tokens=10)[0]
+    expected2 = beam_search(model, torch.tensor([sources[2]], device=device), beam_size=3, max_new_tokens=10)[0]
     assert finals["b2"].text == tokenizer.decode(expected2[0].tokens)
     assert engine.scheduler.slots.num_free == 16
 
@@ -134,12 +136,12 @@ def test_cache_rows_read_evenly_spaced_slots_through_a_view() -> None:
     assert isinstance(cache_rows([1, 2, 4], cache.device)[1], torch.Tensor)  # uneven: gathered
 
 
-def test_beam_searches_sharing_source_reads_equal_offline_beam_search(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only beam-4 requests, joining at different steps and leaving as they finish: the engine reads
-    each sentence's cross-attention keys once for its 4 rows (beam_group), and every result
-    equals the offline beam search of that sentence alone."""
+def test_beam_searches_sharing_source_reads_equal_offline_beam_search(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """Only beam-4 requests, joining at different steps and leaving as they finish: the engine's
+    dynamic step reads each sentence's cross-attention keys once for its 4 rows (beam_group), and
+    every result equals the offline beam search of that sentence alone."""
     sources = [[5, 9, 13, 7, EOS_ID], [40, 41, EOS_ID], [8, 8, 8, EOS_ID], [21, 33, 60, 4, 17, EOS_ID], [11, EOS_ID]]
-    engine = translator_engine()
+    engine = translator_engine(device=device, fixed_shape_decode=False)
     runner = engine.runner
     assert isinstance(runner, TranslatorRunner)
     groups: list[int] = []  # beam_group's answer at every decoder step
@@ -164,6 +166,6 @@ def test_beam_searches_sharing_source_reads_equal_offline_beam_search(monkeypatc
     assert 4 in groups, groups  # steps that read each sentence's keys once for its 4 beams
     tokenizer = FakeTokenizer()
     for i, s in enumerate(sources):
-        expected = beam_search(runner.model, torch.tensor([s]), beam_size=4, max_new_tokens=8)[0]
+        expected = beam_search(runner.model, torch.tensor([s], device=device), beam_size=4, max_new_tokens=8)[0]
         assert finals[f"b{i}"] == tokenizer.decode(expected[0].tokens)
     assert engine.scheduler.slots.num_free == 16

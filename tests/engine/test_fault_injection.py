@@ -7,7 +7,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine, StepOutput
 from service.engine.faults import FaultInjectingRunner
 from service.engine.request import GenerationParams, Request
-from tests.helpers import FakeRunner
+from tests.engine.helpers import FakeRunner
 
 
 def test_an_armed_error_fails_one_step_and_the_next_request_is_served_by_the_wrapped_runner() -> None:

@@ -138,10 +138,9 @@ def drive(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 3
     return finals
 
 
-def translator_engine(model: Translator, n_slots: int = 16, max_context: int | None = None) -> Engine:
-    return Engine(
-        TranslatorRunner(model, tokenizer_for(model), n_slots, max_context), EngineConfig(n_slots=n_slots, max_context=max_context)
-    )
+def translator_engine(model: Translator, n_slots: int = 16, max_context: int | None = None, fixed_shape: bool | None = None) -> Engine:
+    runner = TranslatorRunner(model, tokenizer_for(model), n_slots, max_context, fixed_shape_decode=fixed_shape)
+    return Engine(runner, EngineConfig(n_slots=n_slots, max_context=max_context))
 
 
 def generator_engine(model: Generator, fixed_shape: bool = False, n_slots: int = 8, max_context: int | None = None) -> Engine:
@@ -159,12 +158,12 @@ def beams(n: int, k: int = 4, n_best: int = 2) -> GenerationParams:
 
 def assert_translations_equal_the_references(model: Translator, finals: dict[str, Final], n: int) -> None:
     """g<i>: greedy, equal to recomputation; b<i>: beam 4, equal to the offline beam search."""
-    tokenizer = tokenizer_for(model)
+    tokenizer, device = tokenizer_for(model), next(model.parameters()).device
     for i, s in enumerate(SOURCES):
-        expected = greedy_translate_uncached(model, torch.tensor([s]), n)[0]
+        expected = greedy_translate_uncached(model, torch.tensor([s], device=device), n)[0]
         assert finals[f"g{i}"].tokens == expected
         assert finals[f"g{i}"].reason == ("stop" if len(expected) < n else "length")
-        hypotheses = beam_search(model, torch.tensor([s]), beam_size=4, max_new_tokens=n, n_best=2)[0]
+        hypotheses = beam_search(model, torch.tensor([s], device=device), beam_size=4, max_new_tokens=n, n_best=2)[0]
         assert finals[f"b{i}"].tokens == hypotheses[0].tokens
         assert finals[f"b{i}"].alternatives == [tokenizer.decode(hypotheses[1].tokens)]
 
@@ -176,20 +175,21 @@ def translation_arrivals(n: int) -> dict[int, list[Request]]:
     return {0: requests[:4], 3: requests[4:]}
 
 
-def test_translator_engine_decodes_with_the_models_start_eos_and_pad() -> None:
+@pytest.mark.parametrize("fixed_shape", [False, True])
+def test_translator_engine_decodes_with_the_models_start_eos_and_pad(fixed_shape: bool, device: str) -> None:
     """Greedy and beam search, batched (sources padded with 63), equal the plain paths alone; eos 0
-    ends some sentences before their limit."""
-    model = translator()
-    finals = drive(translator_engine(model), translation_arrivals(12))
+    ends some sentences before their limit. (On CUDA through the runner's CUDA graphs.)"""
+    model = translator().to(device)
+    finals = drive(translator_engine(model, fixed_shape=fixed_shape), translation_arrivals(12))
     assert_translations_equal_the_references(model, finals, 12)
     assert {finals[f"g{i}"].reason for i in range(len(SOURCES))} == {"stop", "length"}
-    padded = pad_batch(SOURCES, model.config.pad_id)  # (5, 7) right-padded with 63
+    padded = pad_batch(SOURCES, model.config.pad_id).to(device)  # (5, 7) right-padded with 63
     assert greedy_translate(model, padded, 12) == [finals[f"g{i}"].tokens for i in range(len(SOURCES))]
 
 
 @pytest.mark.parametrize("fixed_shape", [False, True])
-def test_generator_engine_decodes_with_the_models_eos_and_starts_an_empty_prompt_from_bos(fixed_shape: bool) -> None:
-    model = generator()
+def test_generator_engine_decodes_with_the_models_eos_and_starts_an_empty_prompt_from_bos(fixed_shape: bool, device: str) -> None:
+    model = generator().to(device)
     engine = generator_engine(model, fixed_shape)
     assert engine.runner.encode_prompt("") == [7]
     prompts = [*PROMPTS, engine.runner.encode_prompt("")]
@@ -208,7 +208,8 @@ def test_generator_engine_decodes_with_the_models_eos_and_starts_an_empty_prompt
     assert {f.reason for f in finals.values()} == {"stop", "length"}
 
 
-def test_the_suppressed_pad_is_never_generated_by_the_translator_even_when_it_would_win() -> None:
+@pytest.mark.parametrize("fixed_shape", [False, True])
+def test_the_suppressed_pad_is_never_generated_by_the_translator_even_when_it_would_win(fixed_shape: bool) -> None:
     model, unsuppressed = translator(), translator(suppressed_ids=())
     favour(model, 63)
     favour(unsuppressed, 63)
@@ -216,7 +217,7 @@ def test_the_suppressed_pad_is_never_generated_by_the_translator_even_when_it_wo
     sampled = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=1))
     arrivals = translation_arrivals(12)
     arrivals[5] = [Request(f"s{i}", s, sampled) for i, s in enumerate(SOURCES)]
-    finals = drive(translator_engine(model), arrivals)
+    finals = drive(translator_engine(model, fixed_shape=fixed_shape), arrivals)
     assert all(63 not in f.tokens for f in finals.values())
     assert_translations_equal_the_references(model, finals, 12)  # the runner-up, as the plain paths take it
 

@@ -9,7 +9,7 @@ from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError, QueueFullError
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.scheduler import Scheduler, SlotAllocator
-from tests.helpers import FakeRunner
+from tests.engine.helpers import FakeRunner
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 50, stop: tuple[str, ...] = (), beam_size: int = 1) -> Request:

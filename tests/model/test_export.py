@@ -208,6 +208,13 @@ def test_exports_refuse_layouts_the_targets_cannot_express() -> None:
         marian_config(TranslatorConfig(positions="rope"))
     with pytest.raises(ValueError, match="GPT-NeoX"):
         gpt_neox_config(GeneratorConfig(positions="alibi"))
+    # Options of loaded folders (Marian's, Pythia's, Llama's) the exporters do not map
+    with pytest.raises(ValueError, match="sets logits_bias, sinusoid_layout"):
+        marian_config(TranslatorConfig(logits_bias=True, sinusoid_layout="halves"))
+    with pytest.raises(ValueError, match="sets feed_forward, n_kv_heads, norm"):
+        gpt_neox_config(GeneratorConfig(norm="rmsnorm", feed_forward="gated", n_kv_heads=2))
+    with pytest.raises(ValueError, match="sets parallel_residual"):
+        gpt_neox_config(GeneratorConfig(parallel_residual=True))
 
 
 @pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")

@@ -25,20 +25,22 @@ MARKER = f"MARKER{uuid.uuid4().hex}"  # stands for a user's text
 # A Serve config's args: small replicas beside the session's (its Ray has 2 CPUs, 1.5 in use), with
 # their own model names so that their metrics stay apart.
 KEYED_ARGS: dict[str, Any] = {
-    "translator": {
-        "name": "keyed-en-de",
-        "checkpoint": str(DEFAULT_TRANSLATOR),
-        "engine": {"n_slots": 4, "max_waiting": 8},
-        "deployment": {"ray_actor_options": {"num_cpus": 0.05}},
-        "torch_threads": 1,
-    },
-    "generator": {
-        "name": "keyed-shakespeare",
-        "checkpoint": str(DEFAULT_GENERATOR),
-        "engine": {"n_slots": 4, "max_waiting": 8, "default_max_tokens": 4},
-        "deployment": {"ray_actor_options": {"num_cpus": 0.05}},
-        "torch_threads": 1,
-    },
+    "models": [
+        {
+            "name": "keyed-en-de",
+            "checkpoint": str(DEFAULT_TRANSLATOR),
+            "engine": {"n_slots": 4, "max_waiting": 8},
+            "deployment": {"ray_actor_options": {"num_cpus": 0.05}},
+            "torch_threads": 1,
+        },
+        {
+            "name": "keyed-shakespeare",
+            "checkpoint": str(DEFAULT_GENERATOR),
+            "engine": {"n_slots": 4, "max_waiting": 8, "default_max_tokens": 4},
+            "deployment": {"ray_actor_options": {"num_cpus": 0.05}},
+            "torch_threads": 1,
+        },
+    ],
     "api_keys_env": KEYS_ENV,
 }
 

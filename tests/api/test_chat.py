@@ -1,0 +1,140 @@
+"""Chat completions, n choices, stream_options and tokenize/detokenize in the HTTP layer, over a
+fake model that answers from what it was sent."""
+
+import json
+from collections.abc import AsyncGenerator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.api.app import create_api
+from service.config import ServiceConfig
+from service.protocol import Chunk, GenerateRequest, Refusal, TokenizeRequest, Tokens
+from tests.helpers import backends_for
+
+
+class EchoModel:
+    """Streams "<seed>:" then the last message (or the prompt) word by word; records requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[GenerateRequest] = []
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
+        self.requests.append(request)
+        if request.messages is not None and request.messages[0][1] == "no template":
+            yield Refusal("invalid", "the model has no chat template; use /v1/completions", "messages")
+            return
+        text = request.messages[-1][1] if request.messages is not None else request.text
+        words = [f"{request.seed}:", *(" " + w for w in text.split())]
+        yield Chunk("", prompt_tokens=5)
+        for i, word in enumerate(words):
+            yield Chunk(word, "stop" if i == len(words) - 1 else None, prompt_tokens=5, completion_tokens=i + 1)
+
+    async def tokenize(self, request: TokenizeRequest) -> Tokens:
+        text = request.text if request.messages is None else "|".join(c for _, c in request.messages)
+        ids = tuple(ord(c) for c in text) + ((1,) if request.add_special_tokens and request.messages is None else ())
+        return Tokens(ids, tuple(chr(i) for i in ids), 256)
+
+    async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
+        return "".join(chr(i) for i in ids)
+
+    async def ready(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def api() -> tuple[TestClient, EchoModel]:
+    model = EchoModel()
+    return TestClient(create_api(ServiceConfig(), backends_for(ServiceConfig(), model))), model
+
+
+def events(http: TestClient, path: str, body: dict[str, object]) -> list[dict[str, object] | str]:
+    with http.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        data = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "good night"}]}]
+
+
+def test_a_chat_completion_answers_the_messages_as_openai_shapes_it(api: tuple[TestClient, EchoModel]) -> None:
+    http, model = api
+    answer = http.post("/v1/chat/completions", json={"messages": MESSAGES, "seed": 7, "max_completion_tokens": 9}).json()
+    assert answer["object"] == "chat.completion" and answer["id"].startswith("chatcmpl-")
+    assert answer["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": "7: good night"}, "logprobs": None, "finish_reason": "stop"}
+    ]
+    assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    (sent,) = model.requests
+    assert sent.messages == (("system", "Be brief."), ("user", "good night")) and sent.max_tokens == 9
+
+
+def test_a_streamed_chat_sends_the_role_then_content_then_the_finish_and_equals_the_unstreamed(api: tuple[TestClient, EchoModel]) -> None:
+    http, _ = api
+    body = {"messages": MESSAGES, "seed": 3, "stream": True, "stream_options": {"include_usage": True}}
+    frames = events(http, "/v1/chat/completions", body)
+    assert frames[-1] == "[DONE]"
+    usage, choices = frames[-2], [f["choices"][0] for f in frames[:-2]]  # type: ignore[index]
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}  # type: ignore[index]
+    assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["finish_reason"] is None for c in choices[:-1]) and choices[-1] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+    streamed = "".join(c["delta"].get("content", "") for c in choices)
+    unstreamed = http.post("/v1/chat/completions", json={"messages": MESSAGES, "seed": 3}).json()["choices"][0]["message"]["content"]
+    assert streamed == unstreamed == "3: good night"
+    assert all(f["object"] == "chat.completion.chunk" for f in frames[:-1])  # type: ignore[index]
+
+
+def test_n_gives_independent_choices_each_with_its_own_seed(api: tuple[TestClient, EchoModel]) -> None:
+    http, model = api
+    answer = http.post("/v1/completions", json={"prompt": "to be", "n": 3, "seed": 10, "temperature": 1.0}).json()
+    assert [c["text"] for c in answer["choices"]] == ["10: to be", "11: to be", "12: to be"]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}  # the prompt once
+    frames = events(http, "/v1/chat/completions", {"messages": MESSAGES, "n": 2, "seed": 0, "stream": True})
+    texts = {0: "", 1: ""}
+    for frame in frames[:-1]:
+        choice = frame["choices"][0]  # type: ignore[index]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+    assert texts == {0: "0: good night", 1: "1: good night"}
+    assert len(model.requests) == 5
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ("/v1/completions", {"prompt": "x", "n": 9}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "no template"}]}, "messages"),
+    ],
+)
+def test_what_the_server_cannot_do_is_a_400_naming_the_field(
+    api: tuple[TestClient, EchoModel], path: str, body: dict[str, object], param: str
+) -> None:
+    http, _ = api
+    answer = http.post(path, json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+
+
+def test_tokenize_and_detokenize_as_vllm_answers_them(api: tuple[TestClient, EchoModel]) -> None:
+    http, _ = api
+    tokens = http.post("/tokenize", json={"prompt": "ab"}).json()
+    assert tokens == {"count": 3, "max_model_len": 256, "tokens": [97, 98, 1]}
+    plain = http.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False, "return_token_strs": True}).json()
+    assert plain == {"count": 2, "max_model_len": 256, "tokens": [97, 98], "token_strs": ["a", "b"]}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}).json()
+    assert chat["tokens"] == [97, 124, 98]
+    assert http.post("/detokenize", json={"tokens": [104, 105]}).json() == {"prompt": "hi"}
+    assert http.post("/tokenize", json={"prompt": "a", "model": "nope"}).status_code == 404
+    assert http.post("/tokenize", json={}).status_code == 400

@@ -1,0 +1,92 @@
+"""What the engine tests share: a scripted runner and tokenizer, the shipped generator, a driver.
+
+Imports neither Ray, FastAPI nor pydantic (as model/ and service/engine/), so that tests/model and
+tests/engine run where those are not installed: the GPU check (benchmarks/gpu.py)."""
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
+from model.generator import Generator
+from model.tokenizer import EOS_ID
+from service.engine.engine import Engine
+from service.engine.request import Request
+from service.engine.runner import RunnerOutput
+from service.engine.scheduler import SchedulerOutput
+
+# --- The engine without a model: a scripted runner and tokenizer ---
+
+
+class FakeTokenizer:
+    """Token i (>= 4) is the text "w<i> "."""
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        return f"w{token_id} ".encode() if token_id > EOS_ID else b""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.piece_bytes(i).decode() for i in ids)
+
+
+@dataclass
+class FakeRunner:
+    """Each request emits prompt_ids[0] + 1, + 2, ... and then EOS after `length` tokens,
+    where length is prompt_ids[1] (or forever if the prompt has one token)."""
+
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    eos_id: int = EOS_ID
+    max_prompt_len: int = 100
+    strip_leading_space: bool = False
+    fail_on: set[str] = field(default_factory=set)  # request ids whose step raises
+    executed: list[SchedulerOutput] = field(default_factory=list)
+    step_seconds: float = 0.0  # simulated model time per step
+
+    def max_new_tokens(self, prompt_length: int) -> int:
+        return 1000
+
+    def default_max_tokens(self, prompt_length: int) -> int:
+        return 64
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        time.sleep(self.step_seconds)
+        self.executed.append(SchedulerOutput(list(plan.prefill), list(plan.decode), list(plan.aborted)))
+        if any(r.request_id in self.fail_on for r in plan.prefill + plan.decode):
+            raise RuntimeError("injected fault")
+        output = RunnerOutput()
+        for r in plan.prefill + plan.decode:
+            n = len(r.output_ids)
+            length = r.prompt_ids[1] if len(r.prompt_ids) > 1 else 10**9
+            output.tokens[r.request_id] = EOS_ID if n >= length else r.prompt_ids[0] + n + 1
+        return output
+
+
+# --- The engine with the shipped generator ---
+
+
+@functools.cache
+def context_sensitive_generator(device: str = "cpu") -> Generator:
+    """The shipped generator (one per device): a random tiny model repeats its last token whatever
+    came before, so cache or position bugs would not change its outputs."""
+    model, _ = load_checkpoint(DEFAULT_GENERATOR)
+    assert isinstance(model, Generator)
+    return model.to(device)
+
+
+def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500) -> dict[str, list[int]]:
+    """Adds requests at the given step numbers and runs until idle; returns token ids per request."""
+    tokens: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        for r in arrivals.get(step, []):
+            engine.add_request(r)
+        if not engine.has_work and step > max(arrivals):
+            break
+        for d in engine.step().deltas:
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+    return tokens
+
+
+PROMPTS = [[5, 9, 13, 7], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8], [21, 33], [60, 4, 17]]
