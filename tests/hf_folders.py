@@ -19,6 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sentencepiece as spm
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -40,6 +41,8 @@ from transformers import (
 )
 
 from model.data import SHARED_DATA, read_lines
+from model.folder import CheckpointError
+from model.hf_folder import load_hf_folder
 
 SENTENCES = 3000  # training sentences per language
 MARIAN_SPECIAL = ["</s>", "<unk>"]  # ids 0 and 1, as opus-mt; <pad> is the last id
@@ -264,3 +267,12 @@ def build_llama_folder(
     model.save_pretrained(str(path))
     _save_llama_tokenizer(path, bos=not qwen2, template=CHATML_TEMPLATE if qwen2 else LLAMA3_TEMPLATE, template_in_config=qwen2)
     return path
+
+
+def one_line_error(folder: Path, names: str) -> str:
+    """The CheckpointError loading folder raises: one line, naming `names`."""
+    with pytest.raises(CheckpointError) as error:
+        load_hf_folder(folder)
+    message = str(error.value)
+    assert "\n" not in message and names in message, message
+    return message

@@ -36,7 +36,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]  # generator: the prompt; translator: the source sentence (with eos)
     params: GenerationParams
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=lambda: time.monotonic())  # looked up per request: a test's clock applies
     status: RequestStatus = RequestStatus.WAITING
     slots: list[int] = field(default_factory=list)  # cache rows held (beam_size of them while running)
     output_ids: list[int] = field(default_factory=list)

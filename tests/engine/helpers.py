@@ -29,17 +29,34 @@ class FakeTokenizer:
 
 
 @dataclass
+class FakeClock:
+    """time.monotonic's stand-in (monkeypatched) that moves only when a FakeRunner steps: deadlines
+    then fall after a known number of steps, whatever the machine's speed."""
+
+    now: float
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
 class FakeRunner:
     """Each request emits prompt_ids[0] + 1, + 2, ... and then EOS after `length` tokens,
     where length is prompt_ids[1] (or forever if the prompt has one token)."""
 
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     eos_id: int = EOS_ID
+    max_len: int = 1100
     max_prompt_len: int = 100
     strip_leading_space: bool = False
     fail_on: set[str] = field(default_factory=set)  # request ids whose step raises
     executed: list[SchedulerOutput] = field(default_factory=list)
-    step_seconds: float = 0.0  # simulated model time per step
+    step_seconds: float = 0.0  # simulated model time per step: slept, or added to `clock`
+    clock: "FakeClock | None" = None
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset({self.eos_id})
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return 1000
@@ -52,7 +69,10 @@ class FakeRunner:
         return 0
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        time.sleep(self.step_seconds)
+        if self.clock is not None:
+            self.clock.now += self.step_seconds
+        else:
+            time.sleep(self.step_seconds)
         self.executed.append(SchedulerOutput(list(plan.prefill), list(plan.decode), list(plan.aborted)))
         if any(r.request_id in self.fail_on for r in plan.prefill + plan.decode):
             raise RuntimeError("injected fault")

@@ -49,6 +49,9 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [int(word[1:]) for word in text.split()]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 

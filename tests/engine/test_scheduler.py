@@ -1,6 +1,8 @@
 """Scheduler and engine policy on CPU with a fake runner: admission, slot reuse, queue limit,
 aborts, finish reasons, failures."""
 
+import time
+
 import pytest
 
 from model.sampling import SamplingParams
@@ -9,7 +11,7 @@ from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError, QueueFullError
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.scheduler import Scheduler, SlotAllocator
-from tests.engine.helpers import FakeRunner
+from tests.engine.helpers import FakeClock, FakeRunner
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 50, stop: tuple[str, ...] = (), beam_size: int = 1) -> Request:
@@ -177,10 +179,13 @@ def test_a_too_long_prompt_is_blamed_on_the_prompt_and_max_tokens_is_capped() ->
     assert engine.has_work
 
 
-def test_deadlines_end_requests_with_timeout_and_free_their_slots() -> None:
-    """One slot; each step takes 50 ms. The running request passes its 0.3 s total deadline, the
-    one behind it its 0.12 s queue deadline; both end with "timeout", and the slot is free."""
-    engine = Engine(FakeRunner(step_seconds=0.05), EngineConfig(n_slots=1, queue_timeout_s=0.12, request_timeout_s=0.3))
+def test_deadlines_end_requests_with_timeout_and_free_their_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One slot; each step takes 50 ms of a clock that moves only with the steps. The running
+    request passes its 0.3 s total deadline, the one behind it its 0.12 s queue deadline; both end
+    with "timeout", and the slot is free."""
+    clock = FakeClock(time.monotonic())
+    monkeypatch.setattr(time, "monotonic", clock)
+    engine = Engine(FakeRunner(step_seconds=0.05, clock=clock), EngineConfig(n_slots=1, queue_timeout_s=0.12, request_timeout_s=0.3))
     engine.add_request(request("running", [10], max_tokens=1000))
     engine.add_request(request("queued", [20], max_tokens=1000))
     streams = run_to_end(engine)

@@ -15,15 +15,13 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint, load_native_checkpoint
 from model.data import SHARED_DATA, read_lines
 from model.export import export_hf
-from model.folder import CheckpointError
 from model.generator import Generator
-from model.hf_folder import load_hf_folder
 from model.hf_tokenizers import FastTextTokenizer, MarianTextTokenizer
 from model.packed_linear import PackedLinear, pack_linear_layers, packing_available
 from model.quantize import Int8Linear, quantize_int8
 from model.tokenizer import TextTokenizer, Tokenizer
 from model.translator import Translator
-from tests.hf_folders import build_gpt_neox_folder, build_marian_folder, shakespeare_lines
+from tests.hf_folders import build_gpt_neox_folder, build_marian_folder, one_line_error, shakespeare_lines
 
 ATOL = 1e-4
 NEW_TOKENS = 20
@@ -226,14 +224,6 @@ def test_packed_and_int8_models_keep_an_untied_head_and_the_logits_bias(marian_f
             for got, want in zip([t(src, tgt), g(ids)], expected, strict=True):
                 error = (got - want).abs()
                 assert error.max() <= ATOL if convert is pack_linear_layers else error.mean() <= 0.05 * want.std(), convert.__name__
-
-
-def one_line_error(folder: Path, names: str) -> str:
-    with pytest.raises(CheckpointError) as error:
-        load_hf_folder(folder)
-    message = str(error.value)
-    assert "\n" not in message and names in message, message
-    return message
 
 
 def test_unservable_folders_raise_one_line_naming_the_file(marian_folder: Path, gpt_neox_folder: Path, tmp_path: Path) -> None:

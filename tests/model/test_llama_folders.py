@@ -15,14 +15,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from model.chat_template import ChatTemplateError
 from model.config import GeneratorConfig
-from model.folder import CheckpointError
 from model.generator import Generator
 from model.hf_folder import load_hf_folder
 from model.hf_tokenizers import FastTextTokenizer
 from model.kv_cache import KVCache
 from model.packed_linear import pack_linear_layers, packing_available
 from model.quantize import quantize_int8
-from tests.hf_folders import EOS, EOT, build_llama_folder, shakespeare_lines
+from tests.hf_folders import EOS, EOT, build_llama_folder, one_line_error, shakespeare_lines
 from tests.model.test_hf_folders import tokenizer_texts
 
 ATOL = 1e-4
@@ -224,14 +223,6 @@ def test_kv_cache_bytes_per_token_shrink_with_the_key_value_heads() -> None:
         config = GeneratorConfig(d_model=64, n_heads=4, n_kv_heads=kv_heads, n_layers=2, max_len=32)
         per_token[kv_heads] = KVCache(config.n_layers, 1, config.kv_heads, config.max_len, config.head_dim).nbytes // config.max_len
     assert per_token == {4: 2 * 2 * 4 * 16 * 4, 2: 2 * 2 * 2 * 16 * 4, 1: 2 * 2 * 1 * 16 * 4}  # layers x (k, v) x heads x D x float32
-
-
-def one_line_error(folder: Path, names: str) -> str:
-    with pytest.raises(CheckpointError) as error:
-        load_hf_folder(folder)
-    message = str(error.value)
-    assert "\n" not in message and names in message, message
-    return message
 
 
 def test_unsupported_llama_options_raise_one_line_naming_them(folders: dict[str, Path], tmp_path: Path) -> None:
