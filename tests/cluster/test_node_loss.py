@@ -98,10 +98,23 @@ def test_losing_the_worker_node_under_load_loses_no_request(cluster: tuple[Local
             return False
         return sum(r.start > timeline.action_end + SERVED_AGAIN_WITHIN_S for r in timeline.results) >= SERVED_LATER
 
+    worker_metrics = f"http://127.0.0.1:{ray_cluster.metrics_ports[1]}/metrics"
+
+    def kill_while_the_worker_serves() -> None:
+        """SIGKILLs the worker's raylet once its replicas have shown running requests on two
+        consecutive scrapes: the router may leave a node idle for a while, and a loss with nothing
+        in flight there would test nothing."""
+        deadline, busy = time.monotonic() + 120, 0
+        while busy < 2:
+            busy = busy + 1 if scrape(worker_metrics, "ray_serving_num_requests_running") > 0 else 0
+            assert time.monotonic() < deadline, "the worker node's replicas were never given a request to lose"
+            time.sleep(1)  # a poll interval: the loop ends on the gauge
+        raylet.kill()
+
     load = Load(streams=8, completions=4, translations=4, max_requests=1000, max_tokens=48)
     scenario = Scenario(
-        load=load, stop_when=served_after_the_loss, settled=lambda replicas: True, action=raylet.kill, action_after=40
-    )  # SIGKILL
+        load=load, stop_when=served_after_the_loss, settled=lambda replicas: True, action=kill_while_the_worker_serves, action_after=40
+    )
     timeline = asyncio.run(run_scenario(ray_cluster, url, scenario))
     killed_t = timeline.action_end  # when the SIGKILL had been sent, on the timeline's clock
     assert killed_t is not None

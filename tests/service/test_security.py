@@ -156,7 +156,7 @@ def test_logs_carry_request_ids_sizes_and_times_never_text_or_keys(service_url: 
         httpx.post(f"{service_url}/v1/translate", json={"text": text, "beam_size": 1}, timeout=60),
         httpx.post(f"{service_url}/translate?q={MARKER}", data={"q": text, "source": "en", "target": "de"}, timeout=60),
         httpx.post(f"{service_url}/detect", files={"q": (None, text)}, timeout=60),
-        httpx.post(f"{service_url}/v1/completions", json={"prompt": MARKER, "n": 2}, timeout=60),  # refused: 400
+        httpx.post(f"{service_url}/v1/completions", json={"prompt": MARKER, "n": 9}, timeout=60),  # refused: 400
         httpx.post(f"{keyed_url}/translate", data={"q": text, "api_key": MARKER}, timeout=60),  # a wrong key: 403
         httpx.post(f"{keyed_url}/v1/translate", json={"text": text}, headers=bearer(KEYS[0]), timeout=60),
     ]
