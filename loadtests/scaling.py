@@ -31,6 +31,7 @@ from httpx_sse import SSEError, aconnect_sse
 
 from loadtests.cluster import (
     GENERATOR,
+    MODEL_DEPLOYMENTS,
     ROOT,
     TRANSLATOR,
     LocalCluster,
@@ -53,11 +54,14 @@ GENERATOR_REPLICAS = f'count(max by (replica) (ray_serve_deployment_replica_heal
 
 
 def cluster_config(port: int, base: Path = CPU_CONFIG, models: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    """`base` (a Serve config file) served on 127.0.0.1:`port`, with CLUSTER_AUTOSCALING and, per
-    model (by its name), these ModelServingConfig fields replaced."""
+    """`base` (a Serve config file) served on 127.0.0.1:`port`, its translator and generator
+    under test (MODEL_DEPLOYMENTS; the second language pair would only share the 2 cores), with
+    CLUSTER_AUTOSCALING and, per model (by its name), these ModelServingConfig fields replaced."""
     config: dict[str, Any] = yaml.safe_load(base.read_text())
     config["http_options"].update({"host": "127.0.0.1", "port": port})
-    for model in config["applications"][0]["args"]["models"]:
+    args = config["applications"][0]["args"]
+    args["models"] = [model for model in args["models"] if model["name"] in MODEL_DEPLOYMENTS]
+    for model in args["models"]:
         if isinstance(model["deployment"].get("autoscaling_config"), dict):
             model["deployment"]["autoscaling_config"].update(CLUSTER_AUTOSCALING)
         model.update((models or {}).get(model["name"], {}))

@@ -137,7 +137,7 @@ def shipped_models() -> tuple[ModelServingConfig, ...]:
     """The checkpoints this repository trained and ships (model/checkpoints)."""
     translators = [("transformer-en-de", DEFAULT_TRANSLATOR), ("transformer-en-fr", DEFAULT_TRANSLATOR_FR)]
     return (
-        *(ModelServingConfig(name=name, checkpoint=path, engine=EngineConfig(n_slots=64)) for name, path in translators if path.is_dir()),
+        *(ModelServingConfig(name=name, checkpoint=path, engine=EngineConfig(n_slots=64)) for name, path in translators),
         # OpenAI's completions default to 16 tokens when max_tokens is omitted.
         ModelServingConfig(name="transformer-shakespeare", checkpoint=DEFAULT_GENERATOR, engine=EngineConfig(default_max_tokens=16)),
     )

@@ -63,7 +63,8 @@ def deployed() -> Iterator[Deployed]:
     try:
         # Four logical CPUs and one logical GPU a node: room for the CPU config's half-CPU
         # replicas, a rollout's surge, and the GPU config's half-GPU replicas (on the CPU here).
-        with local_cluster(directory / "cluster", num_cpus=4, num_gpus=1) as cluster:
+        # 6 logical CPUs a node: the GPU config's three models (2 CPUs a replica) start beside the old ones.
+        with local_cluster(directory / "cluster", num_cpus=6, num_gpus=1) as cluster:
             monitor = run_prometheus(cluster, directory / "prometheus") if shutil.which("prometheus") else None
             try:
                 port = free_port()
@@ -179,7 +180,8 @@ def rollout(deployed: Deployed, deploy: Callable[[], object], load: Load, after_
 
     def replaced(sample: list[Replica]) -> bool:
         running = {r.deployment for r in sample if r.state == "RUNNING"}
-        return not old & {r.replica_id for r in sample} and running == {"Ingress", *MODEL_DEPLOYMENTS}
+        # A superset: the GPU config adds the second language pair.
+        return not old & {r.replica_id for r in sample} and running >= {"Ingress", *MODEL_DEPLOYMENTS}
 
     def rolled_out(timeline: Timeline) -> bool:
         if timeline.action_end is None:
@@ -302,8 +304,9 @@ def test_the_images_command_serves_the_gpu_config_here(deployed: Deployed) -> No
     assert timeline.failures() == [], timeline.failures()[:5]
     app = deployed.cluster.application()
     assert app is not None and app["deployed_app_config"]["args"] == yaml.safe_load(GPU_CONFIG.read_text())["applications"][0]["args"]
-    for name in MODEL_DEPLOYMENTS:
-        assert app["deployments"][name]["deployment_config"]["ray_actor_options"]["num_gpus"] == 0.5
+    for model in yaml.safe_load(GPU_CONFIG.read_text())["applications"][0]["args"]["models"]:
+        gpus = model["deployment"]["ray_actor_options"]["num_gpus"]
+        assert gpus > 0 and app["deployments"][model["name"]]["deployment_config"]["ray_actor_options"]["num_gpus"] == gpus
     assert not old & {r.replica_id for r in replicas(deployed.cluster)}
     assert_serves(deployed.url)
     assert listening(deployed.cluster, deployed.port) == {"127.0.0.1"} and listening(deployed.cluster, 8000) == set()

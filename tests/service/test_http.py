@@ -204,7 +204,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": GENERATOR, "prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"model": GENERATOR, "prompt": ""}, "prompt"),
     ("/v1/completions", {"model": GENERATOR, "prompt": ECHO, "n": 9}, "n"),
-    ("/v1/completions", {"model": GENERATOR, "prompt": "x", "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"model": GENERATOR, "prompt": "x", "logprobs": 6}, "logprobs"),
     ("/v1/completions", {"model": GENERATOR, "prompt": "x", "stop": ["a"] * 10}, "stop"),
     ("/v1/completions", {"model": GENERATOR, "prompt": ECHO, "surprise": 1}, "surprise"),
     ("/v1/completions", {"prompt": "x", "model": 5}, "model"),
