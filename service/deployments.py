@@ -14,8 +14,10 @@ from ray import serve
 
 from model.checkpoint import WeightType
 from model.sampling import SamplingParams
+from model.tokenizer import TextTokenizer
 from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
+from service.engine.config import TokenLogprob
 from service.engine.engine import Engine
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from service.engine.faults import FaultInjectingRunner, FaultKind
@@ -39,7 +41,10 @@ def resolve_device(config: ModelServingConfig) -> tuple[str, WeightType]:
 
 
 def generation_params(request: GenerateRequest) -> GenerationParams:
+    """The engine's parameters. The prompt is scored when echo comes with logprobs, or alone
+    (max_tokens 0), when its token count is all the answer needs besides its text."""
     sampling = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, seed=request.seed)
+    scores_prompt = request.echo and (request.logprobs is not None or request.max_tokens == 0)
     return GenerationParams(
         max_tokens=request.max_tokens,
         sampling=sampling,
@@ -47,11 +52,32 @@ def generation_params(request: GenerateRequest) -> GenerationParams:
         beam_size=request.beam_size,
         n_best=request.n_best,
         length_penalty=request.length_penalty,
+        logprobs=request.logprobs,
+        prompt_logprobs=(request.logprobs or 0) if scores_prompt else None,
     )
 
 
-def chunk(delta: Delta) -> Chunk:
-    return Chunk(delta.text, delta.finish_reason, tuple(delta.alternatives or ()), delta.prompt_tokens, delta.completion_tokens)
+def token_text(tokenizer: TextTokenizer, scored: TokenLogprob) -> TokenLogprob:
+    """A logprob with its token and alternatives as their text (OpenAI's `tokens`)."""
+
+    def text(token: int | str) -> str:
+        return token if isinstance(token, str) else tokenizer.piece_bytes(token).decode("utf-8", errors="replace")
+
+    return TokenLogprob(text(scored.token), scored.logprob, tuple((text(t), logprob) for t, logprob in scored.top))
+
+
+def chunk(delta: Delta, tokenizer: TextTokenizer, request: GenerateRequest, echo: str | None = None) -> Chunk:
+    """The engine's delta as the wire's chunk; `echo`: the prompt's text, for the first chunk."""
+    return Chunk(
+        delta.text,
+        delta.finish_reason,
+        tuple(delta.alternatives or ()),
+        delta.prompt_tokens,
+        delta.completion_tokens,
+        tuple(token_text(tokenizer, s) for s in delta.logprobs or ()),
+        echo,
+        tuple(token_text(tokenizer, s) for s in delta.prompt_logprobs or ()) if request.logprobs is not None else (),
+    )
 
 
 class ModelDeployment:
@@ -84,6 +110,15 @@ class ModelDeployment:
         while engine.has_work:
             engine.step()
 
+    def _request_ids(self, request: GenerateRequest) -> list[int]:
+        """The prompt's ids: as sent (checked against the vocabulary), or from its text or chat."""
+        if request.prompt_ids is None:
+            return self._prompt_ids(request.text, request.messages)
+        vocab_size = self.runner.tokenizer.vocab_size
+        if any(not 0 <= i < vocab_size for i in request.prompt_ids):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab_size})", "prompt")
+        return list(request.prompt_ids)
+
     def _prompt_ids(self, text: str, messages: tuple[ChatMessage, ...] | None, add_special_tokens: bool = True) -> list[int]:
         """A prompt's ids: text as the engine reads a prompt (with the special tokens the model's
         tokenizer adds, when add_special_tokens), or a chat rendered by the model's template
@@ -99,7 +134,7 @@ class ModelDeployment:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | Refusal]:
         try:
-            prompt_ids = self._prompt_ids(request.text, request.messages)
+            prompt_ids = self._request_ids(request)
             stream = await self.engine.submit(prompt_ids, generation_params(request))
         except InvalidRequestError as error:
             self.metrics.record_failure("validation")
@@ -114,8 +149,11 @@ class ModelDeployment:
             yield Refusal("unavailable", str(error))
             return
         interval_s = self.config.stream_interval_ms / 1000 if request.stream else None
+        tokenizer = self.runner.tokenizer
+        echo = (request.text if request.prompt_ids is None else tokenizer.decode(prompt_ids)) if request.echo else None
         async for delta in paced(stream, interval_s):
-            yield chunk(delta)
+            yield chunk(delta, tokenizer, request, echo)
+            echo = None
 
     async def attention(self, request: AttentionRequest) -> AttentionMap | Refusal:
         """Attention weights of one input (a private model copy, off the step loop's thread)."""

@@ -17,7 +17,7 @@ Closing the stream early cancels the request; it stops using the model within on
 from dataclasses import dataclass
 from typing import Literal
 
-from service.engine.config import FinishReason
+from service.engine.config import FinishReason, TokenLogprob
 
 # invalid: the request can never be served as asked (HTTP 400); overloaded: the replica's queue is
 # full, retry later (429); unavailable: the replica's engine is not running (503).
@@ -46,6 +46,12 @@ class GenerateRequest:
     n_best: int = 1  # hypotheses returned by beam search: the best and n_best - 1 alternatives
     length_penalty: float = 1.0
     stream: bool = False  # chunks as tokens are made (paced), rather than the rest at the end
+    prompt_ids: tuple[int, ...] | None = None  # the prompt as token ids, read as they are (instead of text)
+    # Each generated token's logprob with this many top alternatives (None: none); with echo, the
+    # prompt's text on the first chunk, and its tokens' logprobs too when logprobs is set.
+    # max_tokens 0 is allowed with echo: the prompt alone.
+    logprobs: int | None = None
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,23 @@ class Chunk:
     alternatives: tuple[str, ...] = ()  # beam search's next best, on the last chunk
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far
+    # With GenerateRequest.logprobs: one per token this chunk's text came from (tokens as their text).
+    logprobs: tuple[TokenLogprob, ...] = ()
+    echo: str | None = None  # with GenerateRequest.echo, on the first chunk: the prompt's text
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with echo and logprobs, on the first chunk (the first token's is None)
+
+    def followed_by(self, later: "Chunk") -> "Chunk":
+        """This chunk and the next one of the same stream, as one."""
+        return Chunk(
+            self.text + later.text,
+            later.finish_reason,
+            later.alternatives,
+            later.prompt_tokens or self.prompt_tokens,
+            later.completion_tokens,
+            self.logprobs + later.logprobs,
+            self.echo if self.echo is not None else later.echo,
+            self.prompt_logprobs or later.prompt_logprobs,
+        )
 
 
 @dataclass(frozen=True)

@@ -158,16 +158,16 @@ async def final_chunk(stream: AsyncGenerator[Chunk, None], failure: str, retry_a
     """The stream read to its end, as one chunk holding all the text; the stream is closed (its
     request cancelled) on the way out. A request that failed in the engine is a 500, one past its
     deadline a 503 (nothing has been answered yet)."""
-    text = ""
+    whole: Chunk | None = None
     try:
         async for chunk in stream:
             if chunk.finish_reason == "error":
                 raise APIError(500, failure, counted=True)  # the replica counted it
             if chunk.finish_reason == "timeout":
                 raise timeout_error(retry_after)
-            text += chunk.text
-            if chunk.finish_reason is not None:
-                return Chunk(text, chunk.finish_reason, chunk.alternatives, chunk.prompt_tokens, chunk.completion_tokens)
+            whole = chunk if whole is None else whole.followed_by(chunk)
+            if whole.finish_reason is not None:
+                return whole
         raise APIError(500, f"{failure}: the stream ended without a result")
     finally:
         await stream.aclose()

@@ -59,7 +59,9 @@ def error_response(path: str, status: int, message: str, param: str | None = Non
 
 def _param(location: tuple[Any, ...]) -> str:
     """("body", "stop", 2) -> "stop.2" (the field path without where it came from)."""
-    return ".".join(str(p) for p in location if p not in ("body", "query", "form")) or "body"
+    # A union's members appear in the location by their type (e.g. "list[int]"): not a field's name.
+    fields = [str(p) for p in location if p not in ("body", "query", "form")]
+    return ".".join(p for p in fields if not any(c in p for c in "[(")) or "body"
 
 
 def install_error_handlers(app: FastAPI, on_failure: FailureHook | None = None) -> None:

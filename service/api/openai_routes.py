@@ -2,10 +2,11 @@
 `GET /v1/models`, and vLLM's `POST /tokenize` and `POST /detokenize`."""
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,6 +16,7 @@ from service.api.backend import MODEL_EXTENSION, Backends, answered, final_chunk
 from service.api.errors import APIError
 from service.api.routing import model_by_name, model_of_any_kind
 from service.api.schemas import (
+    MAX_CHOICES,
     MODEL_ERRORS,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -78,18 +80,36 @@ def sampling_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str
     }
 
 
-def generate_request(body: CompletionRequest, config: ServiceConfig) -> GenerateRequest:
-    """The completion as a model request; a missing max_tokens is the engine's to decide."""
+def prompts_of(body: CompletionRequest) -> list[str | tuple[int, ...]]:
+    """The batch of prompts: texts, or token id sequences (a list of ints is one prompt)."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    tokens = [token for token in prompt if isinstance(token, int)]
+    if prompt and len(tokens) == len(prompt):
+        return [tuple(tokens)]
+    return [p if isinstance(p, str) else tuple(p) for p in prompt if not isinstance(p, int)]
+
+
+def generate_requests(body: CompletionRequest, config: ServiceConfig) -> list[GenerateRequest]:
+    """The completion as model requests, one per prompt; a missing max_tokens is the engine's to decide."""
     fields = sampling_fields(body)
-    prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
-    if len(prompts) != 1:
-        raise APIError(400, "prompt must be one string (lists of one are accepted)", "prompt")
-    prompt = prompts[0]
-    if not prompt:
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens 0 asks for the prompt alone: it needs echo", "max_tokens")
+    prompts = prompts_of(body)
+    if not prompts:
         raise APIError(400, "prompt must not be empty", "prompt")
-    if len(prompt) > config.max_prompt_chars:
-        raise APIError(400, f"prompt has {len(prompt)} characters; the limit is {config.max_prompt_chars}", "prompt")
-    return GenerateRequest(text=prompt, **fields)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(400, f"prompts times n must be at most {MAX_CHOICES}", "n")
+    requests = []
+    for prompt in prompts:
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if len(prompt) > config.max_prompt_chars:
+            raise APIError(400, f"a prompt has {len(prompt)} characters or tokens; the limit is {config.max_prompt_chars}", "prompt")
+        text, ids = (prompt, None) if isinstance(prompt, str) else ("", prompt)
+        requests.append(GenerateRequest(text=text, prompt_ids=ids, logprobs=body.logprobs, echo=body.echo, **fields))
+    return requests
 
 
 def choices(request: GenerateRequest, n: int) -> list[GenerateRequest]:
@@ -116,18 +136,15 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     config: ServiceConfig = request.app.state.config
     backends: Backends = request.app.state.backends
     model = model_by_name(config, "generator", body.model).name
-    requests = choices(generate_request(body, config), body.n)
+    requests = [c for request in generate_requests(body, config) for c in choices(request, body.n)]
     streams = await open_streams(backends.models[model], requests, config.retry_after_seconds)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
+    frames = CompletionFrames(body.echo, body.logprobs is not None)
     if body.stream:
-        frames = stream_choices(streams, base, completion_frame, *stream_flags(body))
-        return StreamingResponse(frames, media_type="text/event-stream")
+        events = stream_choices(streams, base, frames, body.n, *stream_flags(body))
+        return StreamingResponse(events, media_type="text/event-stream")
     finals = await final_chunks(streams, config.retry_after_seconds)
-    return {
-        **base,
-        "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason} for i, c in enumerate(finals)],
-        "usage": usage(finals),
-    }
+    return {**base, "choices": [frames(i, c, True)[0] for i, c in enumerate(finals)], "usage": usage(finals, body.n)}
 
 
 @router.post(
@@ -152,7 +169,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     streams = await open_streams(backends.models[model], requests, config.retry_after_seconds)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     if body.stream:
-        frames = stream_choices(streams, {**base, "object": "chat.completion.chunk"}, chat_frame, *stream_flags(body))
+        frames = stream_choices(streams, {**base, "object": "chat.completion.chunk"}, chat_frame, body.n, *stream_flags(body))
         return StreamingResponse(frames, media_type="text/event-stream")
     finals = await final_chunks(streams, config.retry_after_seconds)
     return {
@@ -162,7 +179,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None, "finish_reason": c.finish_reason}
             for i, c in enumerate(finals)
         ],
-        "usage": usage(finals),
+        "usage": usage(finals, body.n),
     }
 
 
@@ -177,17 +194,49 @@ async def final_chunks(streams: list[AsyncGenerator[Chunk, None]], retry_after: 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def usage(finals: list[Chunk]) -> dict[str, int]:
-    """The prompt counted once (every choice reads the same), the choices' tokens summed."""
-    prompt_tokens, completion_tokens = finals[0].prompt_tokens, sum(c.completion_tokens for c in finals)
+def usage(chunks: dict[int, Chunk] | list[Chunk], n: int) -> dict[str, int]:
+    """Each prompt counted once (its n choices read the same; choice i is prompt i // n's), the
+    choices' tokens summed. chunks: the choices' latest, by index."""
+    by_index = chunks if isinstance(chunks, dict) else dict(enumerate(chunks))
+    prompt_tokens = sum(c.prompt_tokens for i, c in by_index.items() if i % n == 0)
+    completion_tokens = sum(c.completion_tokens for c in by_index.values())
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_frame(index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
-    """A completions stream's choice for one chunk: its text (none for an empty chunk before the end)."""
-    if not chunk.text and chunk.finish_reason is None:
-        return []
-    return [{"index": index, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}]
+def completion_logprobs(chunk: Chunk, echo: bool, offset: int) -> dict[str, Any]:
+    """OpenAI's legacy logprobs of a chunk's tokens (the prompt's first, with echo); text offsets
+    from `offset`, each token's text following the previous one's."""
+    scored = [*chunk.prompt_logprobs, *chunk.logprobs] if echo else list(chunk.logprobs)
+    tokens = [str(s.token) for s in scored]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [s.logprob for s in scored],
+        # The top alternatives and the token itself (as vLLM answers: a greedy check compares them).
+        "top_logprobs": [None if s.logprob is None else {**{str(t): lp for t, lp in s.top}, str(s.token): s.logprob} for s in scored],
+        "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else [],
+    }
+
+
+@dataclass
+class CompletionFrames:
+    """A completions stream's choice for each chunk: its text, the prompt's before it on the first
+    with echo, and with logprobs its tokens' (text offsets running on over each choice's stream).
+    None for an empty chunk before the end."""
+
+    echo: bool
+    logprobs: bool
+    next_offset: dict[int, int] = field(default_factory=dict)  # by choice
+
+    def __call__(self, index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
+        text = (chunk.echo or "") + chunk.text if self.echo else chunk.text
+        if not text and chunk.finish_reason is None and not chunk.logprobs:
+            return []
+        scores = None
+        if self.logprobs:
+            offset = self.next_offset.get(index, 0)
+            scores = completion_logprobs(chunk, self.echo, offset)
+            self.next_offset[index] = offset + sum(len(t) for t in scores["tokens"])
+        return [{"index": index, "text": text, "logprobs": scores, "finish_reason": chunk.finish_reason}]
 
 
 def chat_frame(index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
@@ -207,6 +256,7 @@ async def stream_choices(
     streams: list[AsyncGenerator[Chunk, None]],
     base: dict[str, Any],
     frame: Callable[[int, Chunk, bool], list[dict[str, Any]]],
+    n: int,
     include_usage: bool,
     continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
@@ -224,12 +274,12 @@ async def stream_choices(
                 raise APIError(503, "the request timed out; retry later", counted=True)
             first = index not in latest
             latest[index] = chunk
-            so_far = {"usage": usage(list(latest.values()))} if continuous_usage else {}
+            so_far = {"usage": usage(latest, n)} if continuous_usage else {}
             for choice in frame(index, chunk, first):
                 yield sse({**base, "choices": [choice], **so_far})
         else:
             if include_usage:
-                yield sse({**base, "choices": [], "usage": usage([latest[i] for i in sorted(latest)])})
+                yield sse({**base, "choices": [], "usage": usage(latest, n)})
     except APIError as error:
         yield sse_error(error.message, error.status)
     yield sse("[DONE]")

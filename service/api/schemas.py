@@ -38,7 +38,8 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-MAX_CHOICES = 8  # n: samples per request, each one engine request
+MAX_CHOICES = 8  # n: samples per request (times the prompts of a batch), each one engine request
+MAX_LOGPROBS = 5  # top alternatives per token, as OpenAI's legacy completions allow
 
 
 class StreamOptions(StrictModel):
@@ -56,13 +57,15 @@ class CompletionRequest(StrictModel):
             "examples": [
                 {"prompt": "ROMEO:", "max_tokens": 16},
                 {"prompt": "ROMEO:", "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}},
+                {"prompt": "ROMEO: What light", "max_tokens": 0, "echo": True, "logprobs": 1},
             ]
         }
     )
 
     model: StrictStr | None = None  # omitted: the generator (as vLLM serves its one model)
-    prompt: Text | list[Text]
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    # A prompt as text or token ids, or a batch of them (each prompt's n choices in turn).
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0 with echo: the prompt alone
     temperature: FiniteFloat = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1)  # vLLM extension; 0 or -1: no limit
@@ -71,8 +74,8 @@ class CompletionRequest(StrictModel):
     stream_options: StreamOptions | None = None  # with stream only (as vLLM: a 400 otherwise)
     stop: Stop = None
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
-    logprobs: StrictInt | None = None
-    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, with this many top alternatives
+    echo: StrictBool = False  # the prompt before the completion (with logprobs: its tokens' too)
     presence_penalty: FiniteFloat = 0.0
     frequency_penalty: FiniteFloat = 0.0
     repetition_penalty: FiniteFloat = 1.0
@@ -91,8 +94,6 @@ class CompletionRequest(StrictModel):
 # Fields accepted for compatibility only at values that leave the output unchanged.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "logprobs": (None,),
-    "echo": (False,),
     "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,),
     "repetition_penalty": (1.0,),
@@ -307,10 +308,21 @@ class Usage(TokenUsage):
     total_tokens: int
 
 
+class CompletionLogprobs(ResponseModel):
+    """OpenAI's legacy logprobs: per token of the choice's text (the prompt's first, with echo),
+    its text, its logprob (None for a prompt's first token), the top alternatives with the token
+    itself, and where it starts in the text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str  # in a stream, the text since the previous event
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: Finish | None  # None on a stream's events before its last text
 
 

@@ -9,6 +9,19 @@ BatchingPolicy = Literal["continuous", "static"]
 # Why a request ended: eos or a stop string, its token limit, the caller left, the model failed, a deadline.
 FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model at its position, and the `top` most likely
+    tokens there (most likely first) as (token, log-probability). Tokens are ids in the engine;
+    the replica turns them into their text for the wire (service/protocol.py). A prompt's first
+    token, which nothing before it predicts, has logprob None and no top."""
+
+    token: int | str
+    logprob: float | None
+    top: tuple[tuple[int | str, float], ...] = ()
+
+
 # The serving context when EngineConfig.max_context is None and the model's positions reach
 # further: the KV cache is preallocated for every slot at its full length (n_slots x context x
 # layers x d_model x 2 values), so a model of 2048 or more positions keeps a cache of this

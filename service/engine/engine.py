@@ -11,7 +11,7 @@ import torch
 
 from model.checkpoint import WeightType, load_checkpoint
 from model.packed_linear import pack_linear_layers, packing_available
-from service.engine.config import EngineConfig, FinishReason
+from service.engine.config import EngineConfig, FinishReason, TokenLogprob
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.errors import InvalidRequestError
 from service.engine.request import Delta, GenerationParams, Request
@@ -96,8 +96,11 @@ class Engine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = min(limit, self.config.default_max_tokens or self.runner.default_max_tokens(len(prompt_ids)))
-        elif max_tokens < 1 or max_tokens > limit:
-            raise InvalidRequestError(f"max_tokens must be between 1 and {limit} for this input ({len(prompt_ids)} tokens)", "max_tokens")
+        else:
+            lowest = 0 if params.prompt_logprobs is not None else 1  # 0: the prompt scored alone
+            if not lowest <= max_tokens <= limit:
+                message = f"max_tokens must be between {lowest} and {limit} for this input ({len(prompt_ids)} tokens)"
+                raise InvalidRequestError(message, "max_tokens")
         if params.beam_size < 1 or params.beam_size > self.config.n_slots:
             raise InvalidRequestError(f"beam_size must be between 1 and {self.config.n_slots}", "beam_size")
         if params.n_best < 1 or params.n_best > params.beam_size:
@@ -189,20 +192,38 @@ class Engine:
         token = output.tokens.get(r.request_id)
         if token is None:
             return None  # a beam search still running: nothing to stream
+        scored = output.prompt_logprobs.get(r.request_id)  # the prompt's logprobs, at its prefill
+        if r.max_tokens == 0:  # the prompt scored alone (GenerationParams.prompt_logprobs)
+            self._token_timing(r, now, 0, report)
+            self.scheduler.finish(r, "length")
+            return self._finish(r, "length", report, prompt_logprobs=scored)
         self._token_timing(r, now, 1, report)
         if token in self.runner.eos_ids:
             self.scheduler.finish(r, "stop")
-            return self._finish(r, "stop", report)
+            return self._finish(r, "stop", report, prompt_logprobs=scored)
         r.output_ids.append(token)
+        logprob = output.logprobs.get(r.request_id)
+        logprobs = [logprob] if logprob is not None else None
         detokenizer = self._detokenizers[r.request_id]
         text = detokenizer.add(token)
+        ending: FinishReason | None = None
         if detokenizer.stopped:
-            self.scheduler.finish(r, "stop")
-            return self._finish(r, "stop", report, text=text, token_ids=[token])
-        if len(r.output_ids) >= r.max_tokens:
-            self.scheduler.finish(r, "length")
-            return self._finish(r, "length", report, text=text, token_ids=[token])
-        return Delta(r.request_id, text, [token], None, prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.output_ids))
+            ending = "stop"
+        elif len(r.output_ids) >= r.max_tokens:
+            ending = "length"
+        if ending is not None:
+            self.scheduler.finish(r, ending)
+            return self._finish(r, ending, report, text=text, token_ids=[token], logprobs=logprobs, prompt_logprobs=scored)
+        return Delta(
+            r.request_id,
+            text,
+            [token],
+            None,
+            prompt_tokens=len(r.prompt_ids),
+            completion_tokens=len(r.output_ids),
+            logprobs=logprobs,
+            prompt_logprobs=scored,
+        )
 
     def _finish(
         self,
@@ -213,6 +234,8 @@ class Engine:
         token_ids: list[int] | None = None,
         alternatives: list[str] | None = None,
         error: str | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> Delta:
         detokenizer = self._detokenizers.pop(r.request_id, None)
         if detokenizer is not None and reason in ("stop", "length") and not alternatives and r.params.beam_size == 1:
@@ -230,4 +253,6 @@ class Engine:
             prompt_tokens=len(r.prompt_ids),
             completion_tokens=len(r.output_ids),
             error=error,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

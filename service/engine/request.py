@@ -8,7 +8,7 @@ import torch
 
 from model.beam_search import BeamState
 from model.sampling import SamplingParams
-from service.engine.config import FinishReason
+from service.engine.config import FinishReason, TokenLogprob
 
 
 class RequestStatus(Enum):
@@ -21,7 +21,10 @@ class RequestStatus(Enum):
 class GenerationParams:
     """What to produce. max_tokens None: the engine's default for the prompt (Engine.resolve).
     beam_size > 1 (translator only) returns n_best hypotheses at the end instead of streaming
-    tokens, and ignores sampling."""
+    tokens, and ignores sampling. logprobs (generator only): each generated token's
+    log-probability with this many top alternatives, from the logits it was sampled from (after
+    suppressed ids, before temperature and top-k/top-p); prompt_logprobs: the same for every
+    prompt token after the first, from the prefill; with it, max_tokens 0 scores the prompt alone."""
 
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -29,6 +32,8 @@ class GenerationParams:
     beam_size: int = 1
     n_best: int = 1
     length_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -74,6 +79,8 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # so far, including this delta
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta: the prompt's tokens (the first scored None)
 
     def followed_by(self, later: "Delta") -> "Delta":
         """This delta and the next one of the same stream, as one."""
@@ -87,4 +94,6 @@ class Delta:
             later.prompt_tokens or self.prompt_tokens,
             later.completion_tokens,
             later.error,
+            self.logprobs + (later.logprobs or []) if self.logprobs is not None else later.logprobs,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )

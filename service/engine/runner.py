@@ -16,7 +16,7 @@ from model.sampling import sample_next, suppress, suppressed_index
 from model.tokenizer import TextTokenizer
 from model.translate import max_new_tokens_for, pad_batch
 from model.translator import Translator
-from service.engine.config import serving_context
+from service.engine.config import TokenLogprob, serving_context
 from service.engine.fixed_shape import Fed, GeneratorDecoder, TranslatorDecoder
 from service.engine.request import Request
 from service.engine.scheduler import SchedulerOutput
@@ -30,6 +30,8 @@ class RunnerOutput:
 
     tokens: dict[str, int] = field(default_factory=dict)
     hypotheses: dict[str, list[Hypothesis]] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # the token's, for requests that ask (GenerationParams)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # at the prefill, for those that ask
     prefill_seconds: float = 0.0  # the prompt / encoder pass of the plan's new requests
 
 
@@ -67,6 +69,24 @@ def _sample(logits: Tensor, requests: list[Request]) -> list[int]:
             seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
             r.rng = torch.Generator().manual_seed(seed)
     return sample_next(logits, [r.params.sampling for r in requests], [r.rng for r in requests]).tolist()
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its token under logits (R, V), with the `top` most likely."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)  # (R, V)
+    chosen = log_probs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))[:, 0].tolist()  # (R,)
+    best, best_ids = log_probs.topk(top, dim=-1) if top else (log_probs[:, :0], log_probs[:, :0].long())  # (R, top)
+    return [
+        TokenLogprob(token, logprob, tuple(zip(ids, values, strict=True)))
+        for token, logprob, ids, values in zip(tokens, chosen, best_ids.tolist(), best.tolist(), strict=True)
+    ]
+
+
+def record_logprobs(output: RunnerOutput, logits: Tensor, tokens: list[int], requests: list[Request]) -> None:
+    """The sampled tokens' logprobs (logits (B, V), as sampled from) of the requests that ask."""
+    for row, (r, token) in enumerate(zip(requests, tokens, strict=True)):
+        if r.params.logprobs is not None:
+            (output.logprobs[r.request_id],) = token_logprobs(logits[row : row + 1], [token], r.params.logprobs)
 
 
 class GeneratorRunner:
@@ -118,26 +138,33 @@ class GeneratorRunner:
         output = RunnerOutput()
         if plan.prefill:
             started = time.perf_counter()
-            output.tokens.update(self._prefill(plan.prefill))
+            self._prefill(plan.prefill, output)
             output.prefill_seconds = time.perf_counter() - started
         if plan.decode:
-            output.tokens.update(self._decode(plan.decode))
+            self._decode(plan.decode, output)
         return output
 
-    def _prefill(self, requests: list[Request]) -> dict[str, int]:
+    def _prefill(self, requests: list[Request], output: RunnerOutput) -> None:
         ids = pad_batch([r.prompt_ids for r in requests], self.pad_id).to(self.device)  # (B, T) right-padded
         B, T = ids.shape
         slots = [r.slots[0] for r in requests]
         positions = torch.arange(T, device=self.device).expand(B, T)
         logits = self.model(ids, positions, self.cache.views(slots, positions, T), T)  # (B, T, V)
         last = torch.tensor([len(r.prompt_ids) - 1 for r in requests], device=self.device)
-        tokens = _sample(suppress(logits[torch.arange(B, device=self.device), last], self.suppressed), requests)
-        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        next_logits = suppress(logits[torch.arange(B, device=self.device), last], self.suppressed)  # (B, V)
+        tokens = _sample(next_logits, requests)
+        output.tokens.update({r.request_id: t for r, t in zip(requests, tokens, strict=True)})
+        record_logprobs(output, next_logits, tokens, requests)
+        for row, r in enumerate(requests):
+            if r.params.prompt_logprobs is not None:  # position t's logits score prompt token t + 1
+                scored = token_logprobs(logits[row, : len(r.prompt_ids) - 1], r.prompt_ids[1:], r.params.prompt_logprobs)
+                output.prompt_logprobs[r.request_id] = [TokenLogprob(r.prompt_ids[0], None), *scored]
 
-    def _decode(self, requests: list[Request]) -> dict[str, int]:
-        logits = self.decode_logits({r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests})
-        tokens = _sample(suppress(logits, self.suppressed), requests)
-        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+    def _decode(self, requests: list[Request], output: RunnerOutput) -> None:
+        logits = suppress(self.decode_logits({r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests}), self.suppressed)
+        tokens = _sample(logits, requests)
+        output.tokens.update({r.request_id: t for r, t in zip(requests, tokens, strict=True)})
+        record_logprobs(output, logits, tokens, requests)
 
     def decode_logits(self, fed: Fed) -> Tensor:
         """Next-token logits (R, V) of one decode step, a row per sequence of fed (slot -> (token,
