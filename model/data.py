@@ -4,6 +4,7 @@ import bisect
 import gzip
 import hashlib
 import itertools
+import os
 import random
 import re
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ from torch import Tensor
 
 from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# The project's data, read where it is (never copied into the repository); SERVING_DATA names
+# another folder of the same layout, e.g. a copy carried to a GPU machine (benchmarks/gpu.py).
+SHARED_DATA = Path(os.environ.get("SERVING_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
 # The generator's validation: VALIDATION_STRETCHES runs of whole speeches, together about
 # VALIDATION_FRACTION of train.txt, centred at evenly spaced points; training text stays
 # VALIDATION_MARGIN characters (rounded out to whole speeches) away from each stretch.

@@ -99,8 +99,9 @@ class ModelDeployment:
         self.runner = engine.runner
         self.inspector = AttentionInspector(config.checkpoint, device)
         log.info(
-            "%s ready on %s (%s, %d torch threads), KV cache %.1f MB",
+            "%s ready on %s (%s, %d torch threads), KV cache %.1f MB, %d bytes a token",
             config.name, device, dtype, torch.get_num_threads(), self.runner.kv_cache_bytes / 1e6,
+            self.runner.kv_cache_bytes // (config.engine.n_slots * self.runner.max_len),  # grouped-query attention: KV heads only
         )  # fmt: skip
 
     @staticmethod

@@ -33,6 +33,9 @@ class IncrementalDetokenizer:
         return out
 
     def flush(self) -> str:
-        """The rest of the text, at the end of the sequence."""
+        """The rest of the text, at the end of the sequence: an incomplete last character (the
+        length limit fell inside it) as U+FFFD, as transformers decodes one."""
+        if not self.stopped:
+            self.text += self._utf8.decode(b"", final=True)
         out, self._emitted = self.text[self._emitted :], len(self.text)
         return out

@@ -1,6 +1,8 @@
 """`python -m service --model NAME=PATH ...` serves the user's own folders, as a user starts it: a
-Hugging Face MarianMT (en -> fr) and GPT-NeoX built in the test, beside the shipped en -> de
-translator. Its answers equal transformers' on the same folders, and two translators route by pair."""
+Hugging Face MarianMT (en -> fr), a GPT-NeoX and a Llama (grouped-query attention, untied output,
+rope_theta 500000, two eos ids, a chat template, a tokenizer trained in the test) built in the
+test, beside the shipped en -> de translator. Its answers equal transformers' on the same folders
+(completions and chats, through the official openai client too), and two translators route by pair."""
 
 import os
 import subprocess
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
@@ -19,7 +22,7 @@ from loadtests.cluster import free_port
 from model.data import SHARED_DATA, read_lines
 from model.paths import DEFAULT_TRANSLATOR
 from model.translate import max_new_tokens_for
-from tests.hf_folders import build_gpt_neox_folder, build_marian_folder
+from tests.hf_folders import build_gpt_neox_folder, build_llama_folder, build_marian_folder
 
 START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
 SENTENCES = 100
@@ -30,12 +33,14 @@ class Served:
     url: str
     marian: Path
     neox: Path
+    llama: Path
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folders = tmp_path_factory.mktemp("own-models")
     marian, neox = build_marian_folder(folders / "opus-mt-en-fr"), build_gpt_neox_folder(folders / "pythia-tiny")
+    llama = build_llama_folder(folders / "llama-tiny")  # 4 query heads over 2 key/value heads, untied
     port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(metrics_port), "--device", "cpu"]
     command += [
@@ -47,6 +52,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         str(neox),
         "--model",
         f"transformer-en-de={DEFAULT_TRANSLATOR}",
+        "--model",
+        str(llama),
     ]
     environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as a user's command starts
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
@@ -60,7 +67,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 break
             assert time.monotonic() < deadline, "".join(lines[-30:])
         assert process.poll() is None, "".join(lines[-30:])
-        yield Served(url, marian, neox)
+        yield Served(url, marian, neox, llama)
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -72,6 +79,7 @@ def test_models_lists_exactly_the_folders_given(served: Served) -> None:
         ("opus-en-fr", "translator", "en", "fr"),
         ("pythia-tiny", "generator", None, None),  # named after its folder
         ("transformer-en-de", "translator", "en", "de"),
+        ("llama-tiny", "generator", None, None),
     ]
 
 
@@ -127,3 +135,51 @@ def test_gpt_neox_greedy_completions_equal_transformers(served: Served) -> None:
         out = model.generate(input_ids=ids, max_new_tokens=24, do_sample=False)
         expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         assert answer["choices"][0]["text"] == expected, prompt
+
+
+CHATS = [
+    [{"role": "user", "content": "What light through yonder window breaks?"}],
+    [{"role": "system", "content": "Answer in verse."}, {"role": "user", "content": "Who is there?"}],
+]
+
+
+@torch.inference_mode()
+def test_llama_greedy_completions_equal_transformers(served: Served) -> None:
+    tokenizer, model = AutoTokenizer.from_pretrained(served.llama), AutoModelForCausalLM.from_pretrained(served.llama).eval()
+    for prompt in ["ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak."]:
+        body = {"model": "llama-tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        answer = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).json()
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]  # with the bos the tokenizer adds, as the service's
+        out = model.generate(input_ids=ids, max_new_tokens=24, do_sample=False)  # stops at either eos of generation_config
+        assert answer["choices"][0]["text"] == tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), prompt
+
+
+@torch.inference_mode()
+def test_llama_chats_equal_transformers_generate_on_apply_chat_template_through_the_openai_client(served: Served) -> None:
+    tokenizer, model = AutoTokenizer.from_pretrained(served.llama), AutoModelForCausalLM.from_pretrained(served.llama).eval()
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    for messages in CHATS:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        tokenized = httpx.post(f"{served.url}/tokenize", json={"model": "llama-tiny", "messages": messages}, timeout=60).json()
+        assert tokenized["tokens"] == ids[0].tolist()  # the template rendered as transformers renders it
+        out = model.generate(input_ids=ids, max_new_tokens=20, do_sample=False)
+        expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        chat = client.chat.completions.create(model="llama-tiny", messages=messages, max_tokens=20, temperature=0)  # type: ignore[arg-type]
+        assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == expected
+        assert chat.usage is not None and chat.usage.prompt_tokens == ids.shape[1]
+        stream = client.chat.completions.create(
+            model="llama-tiny",
+            messages=messages,
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+        )
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected  # the streamed chat is the same
+        assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
+
+def test_a_model_without_a_chat_template_answers_400_naming_the_reason(served: Served) -> None:
+    answer = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "pythia-tiny", "messages": CHATS[0]}, timeout=60)
+    assert answer.status_code == 400 and "chat template" in answer.json()["error"]["message"], answer.text

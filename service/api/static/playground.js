@@ -128,12 +128,18 @@ function drawHeatmap() {
 // ---- Generate ----
 let selfAttention = null;
 let selectedToken = null;
+// Chat mode: the conversation so far (each Generate sends the box as the next user message).
+let conversation = [];
+const transcript = (messages) => messages.map((m) => `${m.role}: ${m.content}\n`).join("");
 
 async function generate() {
   const button = $("generate-button");
   button.disabled = true;
   $("self-attention-view").hidden = true;
   const prompt = $("prompt").value;
+  const chat = $("chat-mode").checked;
+  if (chat) conversation.push({ role: "user", content: prompt });
+  const shown = chat ? `${transcript(conversation)}assistant: ` : prompt;  // what the output shows before the new text
   const output = $("generated");
   output.textContent = "";
   for (const id of ["ttft", "tokens-per-s"]) $(id).textContent = "-";
@@ -141,11 +147,12 @@ async function generate() {
   const started = performance.now();
   let firstToken = null, text = "";
   try {
-    const response = await fetch("/v1/completions", {
+    const response = await fetch(chat ? "/v1/chat/completions" : "/v1/completions", {
       method: "POST",
       headers: jsonHeaders(),
       body: JSON.stringify({
-        model: $("generate-model").value || undefined, prompt, stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
+        model: $("generate-model").value || undefined, ...(chat ? { messages: conversation } : { prompt }),
+        stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
         temperature: Number($("temperature").value), top_p: Number($("top-p").value),
         max_tokens: Number($("max-tokens").value), seed: Number($("seed").value),
       }),
@@ -164,13 +171,14 @@ async function generate() {
         if (data === "[DONE]") continue;
         const frame = JSON.parse(data);
         if (frame.error) throw new Error(frame.error.message);
-        if (frame.choices.length && frame.choices[0].text) {
+        const piece = frame.choices.length ? (chat ? frame.choices[0].delta.content : frame.choices[0].text) : "";
+        if (piece) {
           if (firstToken === null) {
             firstToken = performance.now();
             $("ttft").textContent = `${Math.round(firstToken - started)} ms`;
           }
-          text += frame.choices[0].text;
-          output.textContent = prompt + text;
+          text += piece;
+          output.textContent = shown + text;
         }
         if (frame.usage) {
           const tokens = frame.usage.completion_tokens;
@@ -180,8 +188,10 @@ async function generate() {
         }
       }
     }
-    await showSelfAttention(prompt + text);
+    if (chat) conversation.push({ role: "assistant", content: text });
+    else await showSelfAttention(prompt + text);
   } catch (error) {
+    if (chat) conversation.pop();  // the message that failed is not part of the conversation
     output.textContent += `\n[error: ${error.message}]`;
   } finally {
     button.disabled = false;
@@ -229,5 +239,6 @@ loadModels();
 $("api-key").addEventListener("change", loadModels);
 $("translate-button").addEventListener("click", translate);
 $("generate-button").addEventListener("click", generate);
+for (const id of ["chat-mode", "generate-model"]) $(id).addEventListener("change", () => { conversation = []; });
 for (const id of ["sentence-select", "cross-layer", "cross-head"]) $(id).addEventListener("change", drawHeatmap);
 for (const id of ["self-layer", "self-head"]) $(id).addEventListener("change", drawSelfAttention);
