@@ -1,19 +1,25 @@
 """The engine on Hugging Face folders (built in the test, random weights): continuous batching of
-many requests at once gives transformers' own generate() answers, greedy and beam 4."""
+many requests at once gives transformers' own generate() answers, greedy and beam 4; on a Llama
+(grouped-query attention) through the dynamic and the bucketed fixed-shape steps, with each
+token's logprob equal to transformers' logits."""
 
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
+from model.checkpoint import load_checkpoint
 from model.data import SHARED_DATA, read_lines
+from model.generator import Generator
 from model.sampling import GREEDY
 from model.translate import max_new_tokens_for
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
-from tests.hf_folders import build_gpt_neox_folder, build_marian_folder
+from service.engine.runner import GeneratorRunner
+from tests.hf_folders import build_gpt_neox_folder, build_llama_folder, build_marian_folder
 
 SENTENCES = 40
 
@@ -74,3 +80,34 @@ def test_gpt_neox_folder_in_the_engine_answers_as_transformers(neox: Path) -> No
         out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=30, do_sample=False)
         expected.append(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
     assert run_all(engine, prompts, GenerationParams(max_tokens=30, sampling=GREEDY)) == expected
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("fixed_shape", [False, True], ids=["dynamic", "fixed-shape"])
+def test_llama_folder_in_the_engine_answers_and_scores_as_transformers(tmp_path: Path, fixed_shape: bool) -> None:
+    folder = build_llama_folder(tmp_path / "llama")  # 4 query heads over 2 key/value heads, untied, two eos ids
+    texts = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further", "O", "KING HENRY:\nNow, lords"]
+    tokenizer, hf = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+    model, ours = load_checkpoint(folder)
+    assert isinstance(model, Generator) and model.config.kv_heads == 2
+    engine = Engine(GeneratorRunner(model, ours, n_slots=8, fixed_shape_decode=fixed_shape), EngineConfig(n_slots=8))
+    prompts = [engine.runner.encode_prompt(t) for t in texts]
+    assert prompts == [tokenizer(t)["input_ids"] for t in texts]  # with its bos
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(str(i), prompt, GenerationParams(max_tokens=20, sampling=GREEDY, logprobs=2)))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    while engine.has_work:
+        for delta in engine.step().deltas:
+            tokens[int(delta.request_id)] += delta.token_ids
+            logprobs[int(delta.request_id)] += [s.logprob for s in delta.logprobs or [] if s.logprob is not None]
+    for ids, generated, scored in zip(prompts, tokens, logprobs, strict=True):
+        out = hf.generate(
+            input_ids=torch.tensor([ids]), max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        theirs = out.sequences[0, len(ids) :].tolist()
+        if theirs[-1] in model.config.eos_ids:
+            theirs.pop()  # the eos that ended it: the engine streams no token for it
+        assert generated == theirs
+        expected = [float(F.log_softmax(logits[0].float(), dim=-1)[t]) for logits, t in zip(out.logits, generated, strict=False)]
+        assert torch.allclose(torch.tensor(scored), torch.tensor(expected), atol=1e-4)
