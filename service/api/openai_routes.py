@@ -165,18 +165,27 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     characters = sum(len(content) for _, content in messages)
     if characters > config.max_prompt_chars:
         raise APIError(400, f"messages have {characters} characters; the limit is {config.max_prompt_chars}", "messages")
-    requests = choices(GenerateRequest(text="", messages=messages, **sampling_fields(body)), body.n)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    requests = choices(GenerateRequest(text="", messages=messages, logprobs=logprobs, **sampling_fields(body)), body.n)
     streams = await open_streams(backends.models[model], requests, config.retry_after_seconds)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     if body.stream:
-        frames = stream_choices(streams, {**base, "object": "chat.completion.chunk"}, chat_frame, body.n, *stream_flags(body))
+        chunk_base = {**base, "object": "chat.completion.chunk"}
+        frames = stream_choices(streams, chunk_base, ChatFrames(body.logprobs), body.n, *stream_flags(body))
         return StreamingResponse(frames, media_type="text/event-stream")
     finals = await final_chunks(streams, config.retry_after_seconds)
     return {
         **base,
         "object": "chat.completion",
         "choices": [
-            {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None, "finish_reason": c.finish_reason}
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c) if body.logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
             for i, c in enumerate(finals)
         ],
         "usage": usage(finals, body.n),
@@ -239,17 +248,32 @@ class CompletionFrames:
         return [{"index": index, "text": text, "logprobs": scores, "finish_reason": chunk.finish_reason}]
 
 
-def chat_frame(index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
-    """A chat stream's choices for one chunk: the role alone first, then content, then the finish
-    reason with an empty delta (as OpenAI sends them)."""
-    frames: list[dict[str, Any]] = []
-    if first:
-        frames.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
-    if chunk.text:
-        frames.append({"index": index, "delta": {"content": chunk.text}, "logprobs": None, "finish_reason": None})
-    if chunk.finish_reason is not None:
-        frames.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": chunk.finish_reason})
-    return frames
+def chat_logprobs(chunk: Chunk) -> dict[str, Any]:
+    """OpenAI's chat logprobs of a chunk's tokens (their text, logprob, UTF-8 bytes, top ones)."""
+
+    def entry(token: int | str, logprob: float | None) -> dict[str, Any]:
+        return {"token": str(token), "logprob": logprob, "bytes": list(str(token).encode("utf-8"))}
+
+    return {"content": [{**entry(s.token, s.logprob), "top_logprobs": [entry(t, lp) for t, lp in s.top]} for s in chunk.logprobs]}
+
+
+@dataclass
+class ChatFrames:
+    """A chat stream's choices for one chunk: the role alone first, then content (with logprobs:
+    its tokens'), then the finish reason with an empty delta (as OpenAI sends them)."""
+
+    logprobs: bool
+
+    def __call__(self, index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
+        frames: list[dict[str, Any]] = []
+        if first:
+            frames.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None})
+        if chunk.text or (self.logprobs and chunk.logprobs):  # tokens of a character not yet whole: their logprobs now
+            scores = chat_logprobs(chunk) if self.logprobs else None
+            frames.append({"index": index, "delta": {"content": chunk.text}, "logprobs": scores, "finish_reason": None})
+        if chunk.finish_reason is not None:
+            frames.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": chunk.finish_reason})
+        return frames
 
 
 async def stream_choices(

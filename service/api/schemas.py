@@ -40,6 +40,7 @@ class StrictModel(BaseModel):
 
 MAX_CHOICES = 8  # n: samples per request (times the prompts of a batch), each one engine request
 MAX_LOGPROBS = 5  # top alternatives per token, as OpenAI's legacy completions allow
+MAX_CHAT_LOGPROBS = 20  # as OpenAI's chat completions allow
 
 
 class StreamOptions(StrictModel):
@@ -139,8 +140,8 @@ class ChatCompletionRequest(StrictModel):
     stream_options: StreamOptions | None = None
     stop: Stop = None
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    logprobs: StrictBool = False  # each content token's logprob
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_CHAT_LOGPROBS)  # with logprobs: the most likely tokens too
     presence_penalty: FiniteFloat = 0.0
     frequency_penalty: FiniteFloat = 0.0
     logit_bias: dict[str, Any] | None = None
@@ -152,8 +153,6 @@ class ChatCompletionRequest(StrictModel):
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server does not implement."""
         neutral: dict[str, tuple[Any, ...]] = {
-            "logprobs": (False,),
-            "top_logprobs": (None, 0),
             "presence_penalty": (0.0,),
             "frequency_penalty": (0.0,),
             "logit_bias": (None,),
@@ -352,10 +351,26 @@ class ChatMessageOut(ResponseModel):
     content: str
 
 
+class ChatTopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's text as UTF-8
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]  # the most likely tokens at its position, most likely first
+
+
+class ChatLogprobs(ResponseModel):
+    """OpenAI's chat logprobs: one entry per token of the content (in a stream, of the event's)."""
+
+    content: list[ChatTokenLogprob]
+
+
 class ChatChoice(ResponseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: Finish
 
 
@@ -378,7 +393,7 @@ class ChatDelta(ResponseModel):
 class ChatChunkChoice(ResponseModel):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: Finish | None
 
 

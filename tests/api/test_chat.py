@@ -111,7 +111,8 @@ def test_n_gives_independent_choices_each_with_its_own_seed(api: tuple[TestClien
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ("/v1/completions", {"prompt": "x", "n": 9}, "n"),

@@ -33,7 +33,7 @@ class CharacterModel:
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
         self.requests.append(request)
-        prompt = "".join(chr(i) for i in request.prompt_ids) if request.prompt_ids is not None else request.text
+        prompt = "".join(chr(i) for i in request.prompt_ids) if request.prompt_ids is not None else request.text or "chat"
         wanted = COMPLETION[: request.max_tokens if request.max_tokens is not None else len(COMPLETION)]
         prompt_scores = (TokenLogprob(prompt[0], None), *(scored(c, i) for i, c in enumerate(prompt[1:])))
         with_scores = request.logprobs is not None
@@ -156,3 +156,35 @@ def test_bad_logprobs_echo_and_prompt_batches_are_a_400_naming_the_field(
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert model.requests == []
+
+
+def test_chat_logprobs_are_openai_chat_format_streamed_or_not(api: tuple[TestClient, CharacterModel]) -> None:
+    http, model = api
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 1}
+    answer = http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert model.requests[0].logprobs == 1
+    (choice,) = answer.json()["choices"]
+    assert choice["message"]["content"] == "ab"
+    assert choice["logprobs"] == {
+        "content": [
+            {
+                "token": "a",
+                "logprob": -5.5,
+                "bytes": [97],
+                "top_logprobs": [{"token": "x", "logprob": -5.25, "bytes": [120]}, {"token": "a", "logprob": -5.5, "bytes": [97]}],
+            },
+            {
+                "token": "b",
+                "logprob": -6.0,
+                "bytes": [98],
+                "top_logprobs": [{"token": "x", "logprob": -5.75, "bytes": [120]}, {"token": "b", "logprob": -6.0, "bytes": [98]}],
+            },
+        ]
+    }
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = [entry for e in events for c in e["choices"] if c["logprobs"] for entry in c["logprobs"]["content"]]
+    assert streamed == choice["logprobs"]["content"]
+    plain = http.post("/v1/chat/completions", json={"messages": body["messages"], "max_tokens": 2}).json()
+    assert plain["choices"][0]["logprobs"] is None and model.requests[-1].logprobs is None

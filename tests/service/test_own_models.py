@@ -178,6 +178,21 @@ def test_llama_chats_equal_transformers_generate_on_apply_chat_template_through_
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected  # the streamed chat is the same
         assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+        # Logprobs: those of transformers' logits at each generated token.
+        scored = client.chat.completions.create(
+            model="llama-tiny", messages=messages, max_tokens=20, temperature=0, logprobs=True, top_logprobs=2
+        )  # type: ignore[arg-type]
+        assert scored.choices[0].logprobs is not None and scored.choices[0].logprobs.content is not None
+        entries = scored.choices[0].logprobs.content
+        generated = out[0, ids.shape[1] :].tolist()
+        logits = model(out[:, :-1]).logits[0, ids.shape[1] - 1 :]  # (new tokens, V): each generated token's
+        answered = torch.tensor([e.logprob for e in entries])
+        if generated[-1] in model.generation_config.eos_token_id:
+            generated.pop()  # the eos that ended it is no token of the content
+        # Each token's text as the content has it (a special token's is empty).
+        assert [e.token for e in entries] == [tokenizer.decode([t], skip_special_tokens=True) for t in generated]
+        expected = torch.log_softmax(logits[: len(generated)].float(), dim=-1).gather(1, torch.tensor(generated).unsqueeze(1))[:, 0]
+        assert torch.allclose(answered, expected, atol=1e-4) and all(len(e.top_logprobs) == 2 for e in entries)
 
 
 def test_a_model_without_a_chat_template_answers_400_naming_the_reason(served: Served) -> None:
