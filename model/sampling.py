@@ -1,4 +1,5 @@
-"""Choosing the next token: greedy, or sampling with temperature, top-k and top-p (nucleus).
+"""Choosing the next token: greedy, or sampling with temperature, top-k and top-p (nucleus), after
+the penalties on tokens already seen (presence, frequency and repetition, as vLLM applies them).
 
 Each request carries its own torch.Generator, so a seeded request draws the same tokens
 whatever else shares its batch.
@@ -16,10 +17,20 @@ class SamplingParams:
     top_k: int = 0  # 0 means all tokens
     top_p: float = 1.0
     seed: int | None = None
+    # OpenAI's: logit - frequency_penalty x count - presence_penalty x (count > 0), counts of the
+    # generated tokens. transformers' (and vLLM's) repetition_penalty on every token of the prompt
+    # and output: a positive logit divided by it, a negative one multiplied.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -35,6 +46,21 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # the most likely token always stays
         logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
+    return logits
+
+
+def apply_penalties(logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> Tensor:
+    """One sequence's next-token logits (V,) with `params`' penalties, as a new tensor."""
+    vocab = logits.shape[-1]
+    logits = logits.float()
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        seen[torch.tensor(prompt_ids + output_ids, dtype=torch.long, device=logits.device)] = True
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=vocab)[:vocab].float()  # (V,)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     return logits
 
 

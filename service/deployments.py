@@ -43,7 +43,15 @@ def resolve_device(config: ModelServingConfig) -> tuple[str, WeightType]:
 def generation_params(request: GenerateRequest) -> GenerationParams:
     """The engine's parameters. The prompt is scored when echo comes with logprobs, or alone
     (max_tokens 0), when its token count is all the answer needs besides its text."""
-    sampling = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p, seed=request.seed)
+    sampling = SamplingParams(
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        seed=request.seed,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+    )
     scores_prompt = request.echo and (request.logprobs is not None or request.max_tokens == 0)
     return GenerationParams(
         max_tokens=request.max_tokens,

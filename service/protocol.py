@@ -41,6 +41,9 @@ class GenerateRequest:
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
     seed: int | None = None
+    presence_penalty: float = 0.0  # model/sampling.py SamplingParams: the penalties on tokens already seen
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     beam_size: int = 1
     n_best: int = 1  # hypotheses returned by beam search: the best and n_best - 1 alternatives

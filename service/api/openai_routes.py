@@ -75,6 +75,9 @@ def sampling_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str
         "top_p": body.top_p,
         "top_k": max(body.top_k, 0),
         "seed": body.seed,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
         "stop": tuple(body.stop or ()),
         "stream": body.stream,
     }

@@ -77,9 +77,9 @@ class CompletionRequest(StrictModel):
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, with this many top alternatives
     echo: StrictBool = False  # the prompt before the completion (with logprobs: its tokens' too)
-    presence_penalty: FiniteFloat = 0.0
-    frequency_penalty: FiniteFloat = 0.0
-    repetition_penalty: FiniteFloat = 1.0
+    presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's, on the generated tokens
+    frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=2.0)  # vLLM's (transformers'), on the prompt's and generated tokens
     min_tokens: StrictInt = 0
     ignore_eos: StrictBool = False
     best_of: StrictInt | None = None
@@ -95,9 +95,6 @@ class CompletionRequest(StrictModel):
 # Fields accepted for compatibility only at values that leave the output unchanged.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
     "min_tokens": (0,),
     "ignore_eos": (False,),
     "logit_bias": (None,),
@@ -142,8 +139,9 @@ class ChatCompletionRequest(StrictModel):
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
     logprobs: StrictBool = False  # each content token's logprob
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_CHAT_LOGPROBS)  # with logprobs: the most likely tokens too
-    presence_penalty: FiniteFloat = 0.0
-    frequency_penalty: FiniteFloat = 0.0
+    presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
@@ -153,8 +151,6 @@ class ChatCompletionRequest(StrictModel):
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server does not implement."""
         neutral: dict[str, tuple[Any, ...]] = {
-            "presence_penalty": (0.0,),
-            "frequency_penalty": (0.0,),
             "logit_bias": (None,),
             "response_format": (None, {"type": "text"}),
             "tools": (None, []),

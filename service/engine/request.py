@@ -23,7 +23,7 @@ class GenerationParams:
     beam_size > 1 (translator only) returns n_best hypotheses at the end instead of streaming
     tokens, and ignores sampling. logprobs (generator only): each generated token's
     log-probability with this many top alternatives, from the logits it was sampled from (after
-    suppressed ids, before temperature and top-k/top-p); prompt_logprobs: the same for every
+    suppressed ids, before penalties, temperature and top-k/top-p, as vLLM's raw logprobs); prompt_logprobs: the same for every
     prompt token after the first, from the prefill; with it, max_tokens 0 scores the prompt alone."""
 
     max_tokens: int | None = None

@@ -12,7 +12,7 @@ from torch import Tensor
 from model.beam_search import BeamState, Hypothesis, step_beams
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, KVCache
-from model.sampling import sample_next, suppress, suppressed_index
+from model.sampling import apply_penalties, sample_next, suppress, suppressed_index
 from model.tokenizer import TextTokenizer
 from model.translate import max_new_tokens_for, pad_batch
 from model.translator import Translator
@@ -63,11 +63,19 @@ class ModelRunner(Protocol):
 
 
 def _sample(logits: Tensor, requests: list[Request]) -> list[int]:
-    """Each request's next token from its row of logits (B, V), suppressed ids already at -inf."""
+    """Each request's next token from its row of logits (B, V), suppressed ids already at -inf,
+    after its penalties (on a copy: the logits stay as they are, for logprobs)."""
     for r in requests:
         if r.rng is None and not r.params.sampling.greedy:
             seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
             r.rng = torch.Generator().manual_seed(seed)
+    if any(r.params.sampling.penalized for r in requests):
+        logits = torch.stack(
+            [
+                apply_penalties(row, r.params.sampling, r.prompt_ids, r.output_ids) if r.params.sampling.penalized else row.float()
+                for row, r in zip(logits, requests, strict=True)
+            ]
+        )  # (B, V)
     return sample_next(logits, [r.params.sampling for r in requests], [r.rng for r in requests]).tolist()
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 from model.checkpoint import load_checkpoint
 from model.data import SHARED_DATA, read_lines
 from model.generator import Generator
-from model.sampling import GREEDY
+from model.sampling import GREEDY, SamplingParams
 from model.translate import max_new_tokens_for
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
@@ -80,6 +80,21 @@ def test_gpt_neox_folder_in_the_engine_answers_as_transformers(neox: Path) -> No
         out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=30, do_sample=False)
         expected.append(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
     assert run_all(engine, prompts, GenerationParams(max_tokens=30, sampling=GREEDY)) == expected
+
+
+@torch.inference_mode()
+def test_repetition_penalty_in_the_engine_is_transformers(neox: Path) -> None:
+    prompts_text = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further", "O"]
+    tokenizer, hf = AutoTokenizer.from_pretrained(neox), AutoModelForCausalLM.from_pretrained(neox).eval()
+    engine = Engine.from_checkpoint(neox, EngineConfig(n_slots=8), "cpu", torch.float32)
+    prompts = [engine.runner.encode_prompt(p) for p in prompts_text]
+    expected = []
+    for ids in prompts:
+        out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=30, do_sample=False, repetition_penalty=1.5)
+        expected.append(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    assert run_all(engine, prompts, GenerationParams(max_tokens=30, sampling=penalized)) == expected
+    assert run_all(engine, prompts, GenerationParams(max_tokens=30, sampling=GREEDY)) != expected  # the penalty changed something
 
 
 @torch.inference_mode()

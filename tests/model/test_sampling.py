@@ -1,6 +1,7 @@
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
-from model.sampling import SamplingParams, filter_logits, sample_next
+from model.sampling import SamplingParams, apply_penalties, filter_logits, sample_next
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
@@ -26,3 +27,23 @@ def test_greedy_and_filters() -> None:
 def test_nan_logits_fall_back_to_argmax() -> None:
     logits = torch.tensor([[float("nan"), 1.0, 5.0, float("nan")]])
     assert int(sample_next(logits, [SamplingParams(temperature=1.0)], [None])[0]) == 2
+
+
+def test_repetition_penalty_is_transformers_on_the_prompt_and_output_tokens() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(50) * 3  # positive and negative logits
+    prompt, output = [3, 7, 7, 11], [20, 3, 42]
+    ours = apply_penalties(logits, SamplingParams(repetition_penalty=1.3), prompt, output)
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits.unsqueeze(0).clone())[0]
+    assert torch.allclose(ours, theirs)
+    assert not torch.equal(ours, logits)
+
+
+def test_presence_and_frequency_penalties_are_openais_on_the_output_tokens() -> None:
+    logits = torch.zeros(8)
+    ours = apply_penalties(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 1, 2], [4, 4, 4, 5])
+    expected = torch.zeros(8)
+    expected[4] = -(0.25 * 3 + 0.5)  # three times: frequency x 3, presence once
+    expected[5] = -(0.25 * 1 + 0.5)
+    assert torch.equal(ours, expected)  # the prompt's tokens (1, 2) are not penalised
+    assert torch.equal(apply_penalties(logits, SamplingParams(presence_penalty=1.0), [1], []), logits)  # nothing generated yet

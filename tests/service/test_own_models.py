@@ -135,6 +135,12 @@ def test_gpt_neox_greedy_completions_equal_transformers(served: Served) -> None:
         out = model.generate(input_ids=ids, max_new_tokens=24, do_sample=False)
         expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         assert answer["choices"][0]["text"] == expected, prompt
+    # The penalties reach the engine: transformers' repetition penalty, through the service.
+    body = {"model": "pythia-tiny", "prompt": "ROMEO:\n", "max_tokens": 24, "temperature": 0, "repetition_penalty": 1.5}
+    answer = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).json()
+    ids = tokenizer("ROMEO:\n", return_tensors="pt")["input_ids"]
+    out = model.generate(input_ids=ids, max_new_tokens=24, do_sample=False, repetition_penalty=1.5)
+    assert answer["choices"][0]["text"] == tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 CHATS = [
