@@ -94,6 +94,9 @@ class MarianTextTokenizer:
         pieces = [self.pieces[i] for i in ids if i in self.pieces and i not in self.special_ids]
         return str(self.target.decode_pieces(pieces)).replace(SPACE_PIECE, " ").strip()
 
+    def token_text(self, token_id: int) -> str:
+        return self.pieces.get(token_id, "")
+
     def piece_bytes(self, token_id: int) -> bytes:
         if token_id in self.special_ids or token_id not in self.pieces:
             return b""
@@ -179,6 +182,9 @@ class FastTextTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of ids; special ids are dropped."""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(token_id) or ""
 
     def piece_bytes(self, token_id: int) -> bytes:
         token = self.tokenizer.id_to_token(token_id)

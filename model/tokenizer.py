@@ -32,6 +32,9 @@ class TextTokenizer(Protocol):
         """The UTF-8 bytes this token contributes when it follows other text (b"" for special ids):
         streaming joins them, so no character is ever split."""
 
+    def token_text(self, token_id: int) -> str:
+        """The token as its vocabulary writes it, special ones included ("</s>"); "" for none."""
+
 
 class Tokenizer:
     """Text <-> token ids. Wraps a trained sentencepiece model (serialized bytes)."""
@@ -97,6 +100,9 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of ids; special ids are dropped."""
         return str(self.sp.decode([i for i in ids if i > EOS_ID]))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.sp.id_to_piece(token_id)) if 0 <= token_id < self.vocab_size else ""
 
     def piece_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes this token contributes when it follows other text (used for streaming)."""

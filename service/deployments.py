@@ -25,7 +25,17 @@ from service.engine.inspector import AttentionInspector
 from service.engine.request import Delta, GenerationParams, Request
 from service.metrics import ServingMetrics
 from service.process import process_stats
-from service.protocol import AttentionMap, AttentionRequest, ChatMessage, Chunk, GenerateRequest, Refusal, TokenizeRequest, Tokens
+from service.protocol import (
+    AttentionMap,
+    AttentionRequest,
+    ChatMessage,
+    Chunk,
+    GenerateRequest,
+    Refusal,
+    TokenizeRequest,
+    TokenizerInfo,
+    Tokens,
+)
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
 
@@ -179,6 +189,23 @@ class ModelDeployment:
             return Refusal("invalid", str(error), error.param)
         pieces = tuple(self.runner.tokenizer.piece_bytes(i).decode("utf-8", errors="replace") for i in ids)
         return Tokens(tuple(ids), pieces, self.runner.max_len)
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        tokenizer = self.runner.tokenizer
+
+        def special(token_id: int | None) -> str | None:
+            """The token's text when encoding it gives the token back (a client encodes it to find its id)."""
+            text = tokenizer.token_text(token_id) if token_id is not None else ""
+            return text if text and tokenizer.encode(text) == [token_id] else None
+
+        return TokenizerInfo(
+            type(tokenizer).__name__,
+            special(self.runner.eos_id),
+            special(getattr(self.runner, "bos_id", None)),  # a translator's decoder starts from its own start id instead
+            special(self.runner.pad_id),
+            self.runner.max_len,
+            getattr(tokenizer, "chat_template", None),
+        )
 
     async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
         vocab_size = self.runner.tokenizer.vocab_size

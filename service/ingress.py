@@ -21,7 +21,17 @@ from service.api.backend import Backends, ModelLoad, model_of_path
 from service.config import ModelServingConfig, ServiceConfig
 from service.metrics import request_failure_counter, request_retry_counter
 from service.process import process_stats
-from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, ReplicaLostError, TokenizeRequest, Tokens
+from service.protocol import (
+    AttentionMap,
+    AttentionRequest,
+    Chunk,
+    GenerateRequest,
+    Refusal,
+    ReplicaLostError,
+    TokenizeRequest,
+    TokenizerInfo,
+    Tokens,
+)
 
 READY_TIMEOUT_S = 2.0
 log = logging.getLogger("ray.serve")
@@ -149,6 +159,10 @@ class RayBackend:
 
     async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
         result: str | Refusal = await self.handle.detokenize.remote(ids)
+        return result
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        result: TokenizerInfo = await self.handle.tokenizer_info.remote()
         return result
 
     async def ready(self) -> bool:

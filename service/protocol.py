@@ -112,6 +112,19 @@ class Tokens:
 
 
 @dataclass(frozen=True)
+class TokenizerInfo:
+    """What a client's own tokenizer needs of the model's (vLLM's /tokenizer_info): a special
+    token's text only where encoding that text gives the token back (None otherwise)."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    model_max_length: int  # the serving context
+    chat_template: str | None
+
+
+@dataclass(frozen=True)
 class AttentionRequest:
     """Attention weights of one input, from the model's explicit attention path."""
 

@@ -20,6 +20,7 @@ from service.protocol import (
     RefusalKind,
     ReplicaLostError,
     TokenizeRequest,
+    TokenizerInfo,
     Tokens,
 )
 
@@ -38,6 +39,9 @@ class ModelBackend(Protocol):
 
     async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
         """The text of token ids (special tokens dropped)."""
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        """The model's tokenizer, as a client's own tokenizer needs it."""
 
     async def ready(self) -> bool: ...
 

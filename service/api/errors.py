@@ -39,7 +39,7 @@ def route_path(scope: Mapping[str, Any]) -> str:
 FailureHook = Callable[[str, str], None]  # (request path, failure reason) for requests refused here
 
 
-VLLM_PATHS = ("/tokenize", "/detokenize")  # vLLM's, beside the OpenAI routes: OpenAI's envelope
+VLLM_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's, beside the OpenAI routes: OpenAI's envelope
 
 
 def uses_openai_errors(path: str) -> bool:

@@ -6,7 +6,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -30,6 +30,7 @@ from service.api.schemas import (
     OpenAIError,
     TokenizeBody,
     TokenizeResponse,
+    TokenizerInfoResponse,
     error_responses,
     event_stream,
 )
@@ -331,6 +332,15 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
     if body.return_token_strs:
         answer["token_strs"] = list(tokens.pieces)
     return answer
+
+
+@router.get("/tokenizer_info", tags=["vllm"], response_model=TokenizerInfoResponse, responses=MODEL_ERRORS)
+async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
+    """vLLM's tokenizer_info, for a client's own tokenizer (lm-evaluation-harness's remote one):
+    the special tokens whose text encodes back to them, the serving context, the chat template."""
+    config: ServiceConfig = request.app.state.config
+    served = model_of_any_kind(config, model)
+    return asdict(await request.app.state.backends.models[served.name].tokenizer_info())
 
 
 @router.post("/detokenize", tags=["vllm"], response_model=DetokenizeResponse, responses=MODEL_ERRORS)

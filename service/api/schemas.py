@@ -412,6 +412,17 @@ class TokenizeResponse(ResponseModel):
     token_strs: list[str] | SkipJsonSchema[None] = None
 
 
+class TokenizerInfoResponse(ResponseModel):
+    """vLLM's `GET /tokenizer_info`: a special token's text only where encoding it gives the token back."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    model_max_length: int
+    chat_template: str | None
+
+
 class DetokenizeResponse(ResponseModel):
     prompt: str
 

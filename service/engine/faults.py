@@ -24,7 +24,7 @@ class FaultInjectingRunner:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.tokenizer: TextTokenizer = runner.tokenizer
-        self.eos_id, self.eos_ids, self.max_len = runner.eos_id, runner.eos_ids, runner.max_len
+        self.eos_id, self.eos_ids, self.pad_id, self.max_len = runner.eos_id, runner.eos_ids, runner.pad_id, runner.max_len
         self.max_prompt_len = runner.max_prompt_len
         self.strip_leading_space = runner.strip_leading_space
         self._lock = threading.Lock()

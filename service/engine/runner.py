@@ -42,6 +42,7 @@ class ModelRunner(Protocol):
     tokenizer: TextTokenizer
     eos_id: int  # the model's first end-of-sequence id (a translator's source ends with it)
     eos_ids: frozenset[int]  # a streamed sequence's tokens that end it (never emitted as text)
+    pad_id: int
     max_len: int  # the serving context: a sequence's prompt and output together
     max_prompt_len: int  # longest prompt (generator) or source (translator), in tokens
     strip_leading_space: bool  # output text starts without the word-boundary space its first token carries

@@ -16,7 +16,7 @@ from service.api.auth import BODY_KEY_PATHS, is_public
 from service.api.backend import MODEL_EXTENSION, model_of_path
 from service.api.errors import uses_openai_errors
 from service.config import ServiceConfig
-from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, TokenizeRequest, Tokens
+from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal, TokenizeRequest, TokenizerInfo, Tokens
 from tests.helpers import backends_for
 
 BROKEN = "break"  # a text whose request fails in the engine after it started
@@ -43,6 +43,9 @@ class FakeModel:
 
     async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
         return "A dog"
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        return TokenizerInfo("Tokenizer", "</s>", None, None, 256, None)
 
     async def ready(self) -> bool:
         return True
@@ -119,6 +122,7 @@ ANSWERS: list[tuple[str, str, Any, int]] = [
     ("POST", "/tokenize", {"prompt": "A dog", "return_token_strs": True}, 200),
     ("POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}, 400),
     ("POST", "/detokenize", {"tokens": [5, 6]}, 200),
+    ("GET", "/tokenizer_info", None, 200),
     ("POST", "/v1/translate", {"text": ["A dog. A cat.", "Hi."], "alternatives": 1, "return_attention": True}, 200),
     ("POST", "/v1/translate", {"text": "<p>A dog.</p>", "format": "html"}, 200),
     ("POST", "/v1/translate", {"text": "A dog. A cat.", "stream": True}, 200),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
 from model.generator import Generator
-from model.tokenizer import EOS_ID
+from model.tokenizer import EOS_ID, PAD_ID
 from service.engine.engine import Engine
 from service.engine.request import Request
 from service.engine.runner import RunnerOutput
@@ -46,6 +46,7 @@ class FakeRunner:
 
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     eos_id: int = EOS_ID
+    pad_id: int = PAD_ID
     max_len: int = 1100
     max_prompt_len: int = 100
     strip_leading_space: bool = False

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from model.checkpoint import DEFAULT_GENERATOR, load_native_checkpoint
@@ -46,13 +47,13 @@ def offline_loglikelihood(model: Generator, tokenizer: Tokenizer, context: str, 
     return logprobs[n - 1 : -1].gather(1, whole[n:, None]).double().sum().item()
 
 
-def run_lm_eval(url: str, tokenizer_dir: Path, output: Path) -> None:
-    """lm-eval's CLI from this environment, on the task, one request at a time; fails with its output."""
+def run_lm_eval(url: str, tokenizer: dict[str, object], output: Path) -> None:
+    """lm-eval's CLI from this environment, on the task, one request at a time, with `tokenizer`'s
+    model arguments; fails with its output."""
     model_args = {
         "model": "transformer-shakespeare",
         "base_url": f"{url}/v1/completions",
-        "tokenizer_backend": "huggingface",
-        "tokenizer": tokenizer_dir,
+        **tokenizer,
         "tokenized_requests": True,
         "max_length": 256,  # the generator's window
         "num_concurrent": 1,
@@ -80,9 +81,15 @@ def run_lm_eval(url: str, tokenizer_dir: Path, output: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
 
 
-def test_lm_eval_loglikelihoods_are_the_models(service_url: str, tmp_path: Path) -> None:
-    export_hf(DEFAULT_GENERATOR, tmp_path / "hf-generator")
-    run_lm_eval(service_url, tmp_path / "hf-generator", tmp_path / "results")
+@pytest.mark.parametrize("backend", ["huggingface", "remote"])
+def test_lm_eval_loglikelihoods_are_the_models(service_url: str, tmp_path: Path, backend: str) -> None:
+    """backend: lm-eval's tokenizer, a folder of the model's (exported) or the service's own
+    (vLLM's /tokenize, /detokenize and /tokenizer_info)."""
+    tokenizer: dict[str, object] = {"tokenizer_backend": backend}
+    if backend == "huggingface":
+        export_hf(DEFAULT_GENERATOR, tmp_path / "hf-generator")
+        tokenizer["tokenizer"] = tmp_path / "hf-generator"
+    run_lm_eval(service_url, tokenizer, tmp_path / "results")
 
     results = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())
     scores = results["results"][TASK]

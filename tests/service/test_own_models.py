@@ -201,6 +201,16 @@ def test_llama_chats_equal_transformers_generate_on_apply_chat_template_through_
         assert torch.allclose(answered, expected, atol=1e-4) and all(len(e.top_logprobs) == 2 for e in entries)
 
 
+def test_tokenizer_info_gives_the_special_tokens_a_client_can_encode_back(served: Served) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(served.llama)
+    info = httpx.get(f"{served.url}/tokenizer_info", params={"model": "llama-tiny"}, timeout=60).json()
+    assert (info["eos_token"], info["bos_token"]) == (tokenizer.eos_token, tokenizer.bos_token)
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == 128
+    for token in ("eos_token", "bos_token"):  # what lm-eval's remote tokenizer does with them
+        ids = httpx.post(f"{served.url}/tokenize", json={"model": "llama-tiny", "prompt": info[token], "add_special_tokens": False}).json()
+        assert ids["tokens"] == [getattr(tokenizer, f"{token}_id")]
+
+
 def test_a_model_without_a_chat_template_answers_400_naming_the_reason(served: Served) -> None:
     answer = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "pythia-tiny", "messages": CHATS[0]}, timeout=60)
     assert answer.status_code == 400 and "chat template" in answer.json()["error"]["message"], answer.text
