@@ -71,6 +71,8 @@ def generation_params(request: GenerateRequest) -> GenerationParams:
         n_best=request.n_best,
         length_penalty=request.length_penalty,
         logprobs=request.logprobs,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
         prompt_logprobs=(request.logprobs or 0) if scores_prompt else None,
     )
 

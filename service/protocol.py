@@ -44,6 +44,8 @@ class GenerateRequest:
     presence_penalty: float = 0.0  # model/sampling.py SamplingParams: the penalties on tokens already seen
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0  # service/engine/request.py GenerationParams
+    ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     beam_size: int = 1
     n_best: int = 1  # hypotheses returned by beam search: the best and n_best - 1 alternatives

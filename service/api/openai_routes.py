@@ -79,6 +79,8 @@ def sampling_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,
+        "min_tokens": body.min_tokens,
+        "ignore_eos": body.ignore_eos,
         "stop": tuple(body.stop or ()),
         "stream": body.stream,
     }

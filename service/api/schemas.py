@@ -80,8 +80,8 @@ class CompletionRequest(StrictModel):
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's, on the generated tokens
     frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=2.0)  # vLLM's (transformers'), on the prompt's and generated tokens
-    min_tokens: StrictInt = 0
-    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)  # vLLM's: no eos before this many tokens (at most max_tokens)
+    ignore_eos: StrictBool = False  # vLLM's: an eos does not end the completion
     best_of: StrictInt | None = None
     logit_bias: dict[str, Any] | None = None
     suffix: StrictStr | None = None
@@ -95,8 +95,6 @@ class CompletionRequest(StrictModel):
 # Fields accepted for compatibility only at values that leave the output unchanged.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "min_tokens": (0,),
-    "ignore_eos": (False,),
     "logit_bias": (None,),
     "suffix": (None,),
 }
@@ -142,6 +140,8 @@ class ChatCompletionRequest(StrictModel):
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=2.0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None

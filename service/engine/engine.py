@@ -103,6 +103,8 @@ class Engine:
                 raise InvalidRequestError(message, "max_tokens")
         if params.beam_size < 1 or params.beam_size > self.config.n_slots:
             raise InvalidRequestError(f"beam_size must be between 1 and {self.config.n_slots}", "beam_size")
+        if not 0 <= params.min_tokens <= max_tokens:
+            raise InvalidRequestError(f"min_tokens must be between 0 and max_tokens ({max_tokens})", "min_tokens")
         if params.n_best < 1 or params.n_best > params.beam_size:
             raise InvalidRequestError("alternatives must be fewer than the beam size", "n_best")
         return replace(params, max_tokens=max_tokens)
@@ -198,7 +200,7 @@ class Engine:
             self.scheduler.finish(r, "length")
             return self._finish(r, "length", report, prompt_logprobs=scored)
         self._token_timing(r, now, 1, report)
-        if token in self.runner.eos_ids:
+        if token in self.runner.eos_ids and not r.params.ignore_eos:
             self.scheduler.finish(r, "stop")
             return self._finish(r, "stop", report, prompt_logprobs=scored)
         r.output_ids.append(token)

@@ -34,6 +34,8 @@ class GenerationParams:
     length_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0  # the model's eos ids are not sampled before this many tokens (as transformers' min_new_tokens)
+    ignore_eos: bool = False  # an eos id does not end the sequence (vLLM's, for fixed-length benchmarks)
 
 
 @dataclass

@@ -63,20 +63,24 @@ class ModelRunner(Protocol):
     def kv_cache_bytes(self) -> int: ...
 
 
-def _sample(logits: Tensor, requests: list[Request]) -> list[int]:
+def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) -> list[int]:
     """Each request's next token from its row of logits (B, V), suppressed ids already at -inf,
-    after its penalties (on a copy: the logits stay as they are, for logprobs)."""
+    after its penalties and, before its min_tokens, with eos_ids at -inf (on a copy: the logits
+    stay as they are, for logprobs)."""
     for r in requests:
         if r.rng is None and not r.params.sampling.greedy:
             seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
             r.rng = torch.Generator().manual_seed(seed)
-    if any(r.params.sampling.penalized for r in requests):
-        logits = torch.stack(
-            [
-                apply_penalties(row, r.params.sampling, r.prompt_ids, r.output_ids) if r.params.sampling.penalized else row.float()
-                for row, r in zip(logits, requests, strict=True)
-            ]
-        )  # (B, V)
+
+    def adjusted(row: Tensor, r: Request) -> Tensor:
+        if r.params.sampling.penalized:
+            row = apply_penalties(row, r.params.sampling, r.prompt_ids, r.output_ids)
+        if len(r.output_ids) < r.params.min_tokens:
+            row = row.float().index_fill(-1, torch.tensor(sorted(eos_ids), device=row.device), float("-inf"))
+        return row.float()
+
+    if any(r.params.sampling.penalized or len(r.output_ids) < r.params.min_tokens for r in requests):
+        logits = torch.stack([adjusted(row, r) for row, r in zip(logits, requests, strict=True)])  # (B, V)
     return sample_next(logits, [r.params.sampling for r in requests], [r.rng for r in requests]).tolist()
 
 
@@ -161,7 +165,7 @@ class GeneratorRunner:
         logits = self.model(ids, positions, self.cache.views(slots, positions, T), T)  # (B, T, V)
         last = torch.tensor([len(r.prompt_ids) - 1 for r in requests], device=self.device)
         next_logits = suppress(logits[torch.arange(B, device=self.device), last], self.suppressed)  # (B, V)
-        tokens = _sample(next_logits, requests)
+        tokens = _sample(next_logits, requests, self.eos_ids)
         output.tokens.update({r.request_id: t for r, t in zip(requests, tokens, strict=True)})
         record_logprobs(output, next_logits, tokens, requests)
         for row, r in enumerate(requests):
@@ -171,7 +175,7 @@ class GeneratorRunner:
 
     def _decode(self, requests: list[Request], output: RunnerOutput) -> None:
         logits = suppress(self.decode_logits({r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests}), self.suppressed)
-        tokens = _sample(logits, requests)
+        tokens = _sample(logits, requests, self.eos_ids)
         output.tokens.update({r.request_id: t for r, t in zip(requests, tokens, strict=True)})
         record_logprobs(output, logits, tokens, requests)
 
@@ -335,7 +339,7 @@ class TranslatorRunner:
                 self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), written)
         if streamed:
             streamed_rows = torch.tensor([row_of[r.slots[0]] for r in streamed], device=self.device)
-            sampled = _sample(logits.index_select(0, streamed_rows), streamed)
+            sampled = _sample(logits.index_select(0, streamed_rows), streamed, self.eos_ids)
             output.tokens.update({r.request_id: t for r, t in zip(streamed, sampled, strict=True)})
 
     def decode_logits(self, fed: Fed, slots_of_requests: list[list[int]], source_length: int) -> Tensor:

@@ -115,6 +115,7 @@ def test_n_gives_independent_choices_each_with_its_own_seed(api: tuple[TestClien
         ("/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
         ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
@@ -144,10 +145,11 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(api: tuple[TestClient, Ech
     assert http.post("/tokenize", json={}).status_code == 400
 
 
-def test_penalties_reach_the_model(api: tuple[TestClient, EchoModel]) -> None:
+def test_penalties_min_tokens_and_ignore_eos_reach_the_model(api: tuple[TestClient, EchoModel]) -> None:
     http, model = api
-    penalties = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2}
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True}
     assert http.post("/v1/completions", json={"prompt": "x", **penalties}).status_code == 200
     assert http.post("/v1/chat/completions", json={"messages": MESSAGES, **penalties}).status_code == 200
     for request in model.requests:
         assert (request.presence_penalty, request.frequency_penalty, request.repetition_penalty) == (0.5, -0.5, 1.2)
+        assert (request.min_tokens, request.ignore_eos) == (2, True)

@@ -98,6 +98,36 @@ def test_repetition_penalty_in_the_engine_is_transformers(neox: Path) -> None:
 
 
 @torch.inference_mode()
+def test_min_tokens_in_the_engine_is_transformers_min_new_tokens(tmp_path: Path) -> None:
+    folder = build_llama_folder(tmp_path / "llama")  # two eos ids: neither may end it early
+    texts = ["ROMEO:\n", "O", "KING HENRY:\nNow, lords"]
+    tokenizer, hf = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    # Random weights rarely pick an eos: its output row becomes the first greedy token's, scaled up,
+    # so that the first prompt would end at once.
+    first = int(hf.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=1, do_sample=False)[0, -1])
+    eos = hf.generation_config.eos_token_id[0]
+    hf.lm_head.weight[eos] = 2 * hf.lm_head.weight[first]
+    hf.save_pretrained(folder)
+    assert hf.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False)[0, -1] == eos  # without min_tokens
+    engine = Engine.from_checkpoint(folder, EngineConfig(n_slots=8), "cpu", torch.float32)
+    assert [engine.runner.encode_prompt(t) for t in texts] == prompts
+    params = GenerationParams(max_tokens=24, min_tokens=12, sampling=GREEDY)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(Request(str(i), prompt, params))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    while engine.has_work:
+        for delta in engine.step().deltas:
+            tokens[int(delta.request_id)] += delta.token_ids
+    for ids, ours in zip(prompts, tokens, strict=True):
+        out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=24, min_new_tokens=12, do_sample=False)
+        theirs = out[0, len(ids) :].tolist()
+        if theirs[-1] in engine.runner.eos_ids:
+            theirs.pop()  # the eos that ended it: the engine streams no token for it
+        assert ours == theirs and len(ours) >= 12
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("fixed_shape", [False, True], ids=["dynamic", "fixed-shape"])
 def test_llama_folder_in_the_engine_answers_and_scores_as_transformers(tmp_path: Path, fixed_shape: bool) -> None:
     folder = build_llama_folder(tmp_path / "llama")  # 4 query heads over 2 key/value heads, untied, two eos ids

@@ -68,6 +68,18 @@ def test_outputs_and_finish_reasons() -> None:
     assert engine.scheduler.slots.num_free == 4
 
 
+def test_ignore_eos_goes_on_to_max_tokens_and_min_tokens_is_checked() -> None:
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=4))
+    engine.add_request(Request("ignoring", [10, 3], GenerationParams(max_tokens=6, ignore_eos=True)))
+    engine.add_request(Request("stopping", [10, 3], GenerationParams(max_tokens=6)))
+    streams = run_to_end(engine)
+    ignoring = [t for d in streams["ignoring"] for t in d.token_ids]
+    assert ignoring == [11, 12, 13, 3, 3, 3] and streams["ignoring"][-1].finish_reason == "length"  # eos went on
+    assert [t for d in streams["stopping"] for t in d.token_ids] == [11, 12, 13] and streams["stopping"][-1].finish_reason == "stop"
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        engine.add_request(Request("too-many", [10], GenerationParams(max_tokens=4, min_tokens=5)))
+
+
 def test_waiting_queue_limit_refuses_without_queueing() -> None:
     engine = Engine(FakeRunner(), EngineConfig(n_slots=1, max_waiting=2))
     engine.add_request(request("a", [10]))
