@@ -1,5 +1,6 @@
 """Choosing the next token: greedy, or sampling with temperature, top-k and top-p (nucleus), after
-the penalties on tokens already seen (presence, frequency and repetition, as vLLM applies them).
+the penalties on tokens already seen (presence, frequency and repetition, as vLLM applies them)
+and OpenAI's logit bias.
 
 Each request carries its own torch.Generator, so a seeded request draws the same tokens
 whatever else shares its batch.
@@ -23,14 +24,17 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
-    def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+    def adjusts_logits(self) -> bool:
+        """Whether adjust_logits changes anything."""
+        penalized = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return penalized or bool(self.logit_bias)
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -49,8 +53,8 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
-def apply_penalties(logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> Tensor:
-    """One sequence's next-token logits (V,) with `params`' penalties, as a new tensor."""
+def adjust_logits(logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> Tensor:
+    """One sequence's next-token logits (V,) with `params`' penalties, then its logit bias, as a new tensor."""
     vocab = logits.shape[-1]
     logits = logits.float()
     if params.repetition_penalty != 1.0:
@@ -61,6 +65,9 @@ def apply_penalties(logits: Tensor, params: SamplingParams, prompt_ids: list[int
     if output_ids and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=vocab)[:vocab].float()  # (V,)
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias, strict=True)
+        logits = logits.index_add(0, torch.tensor(ids, device=logits.device), torch.tensor(biases, device=logits.device))
     return logits
 
 

@@ -61,6 +61,7 @@ def generation_params(request: GenerateRequest) -> GenerationParams:
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,
+        logit_bias=request.logit_bias,
     )
     scores_prompt = request.echo and (request.logprobs is not None or request.max_tokens == 0)
     return GenerationParams(

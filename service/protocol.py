@@ -44,6 +44,7 @@ class GenerateRequest:
     presence_penalty: float = 0.0  # model/sampling.py SamplingParams: the penalties on tokens already seen
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     min_tokens: int = 0  # service/engine/request.py GenerationParams
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()

@@ -79,6 +79,7 @@ def sampling_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,
+        "logit_bias": tuple((int(token), bias) for token, bias in (body.logit_bias or {}).items()),
         "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos,
         "stop": tuple(body.stop or ()),

@@ -34,6 +34,17 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
 Stop = Annotated[Text | list[Text] | None, AfterValidator(_stop_strings)]  # validated into a list
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    if bias is None:
+        return None
+    if len(bias) > 300 or not all(key.isdigit() and -100 <= value <= 100 for key, value in bias.items()):
+        raise ValueError("logit_bias maps at most 300 token ids (as strings) to biases from -100 to 100")
+    return bias
+
+
+LogitBias = Annotated[dict[StrictStr, FiniteFloat] | None, AfterValidator(_logit_bias)]
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -83,7 +94,7 @@ class CompletionRequest(StrictModel):
     min_tokens: StrictInt = Field(0, ge=0)  # vLLM's: no eos before this many tokens (at most max_tokens)
     ignore_eos: StrictBool = False  # vLLM's: an eos does not end the completion
     best_of: StrictInt | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: LogitBias = None  # OpenAI's: token id (as a string) -> added to its logit, -100 to 100
     suffix: StrictStr | None = None
     user: StrictStr | None = None  # accepted, not used (it does not change the output)
 
@@ -95,7 +106,6 @@ class CompletionRequest(StrictModel):
 # Fields accepted for compatibility only at values that leave the output unchanged.
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "logit_bias": (None,),
     "suffix": (None,),
 }
 
@@ -142,7 +152,7 @@ class ChatCompletionRequest(StrictModel):
     repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=2.0)
     min_tokens: StrictInt = Field(0, ge=0)
     ignore_eos: StrictBool = False
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: LogitBias = None  # OpenAI's: token id (as a string) -> added to its logit, -100 to 100
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -151,7 +161,6 @@ class ChatCompletionRequest(StrictModel):
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server does not implement."""
         neutral: dict[str, tuple[Any, ...]] = {
-            "logit_bias": (None,),
             "response_format": (None, {"type": "text"}),
             "tools": (None, []),
             "tool_choice": (None, "none"),

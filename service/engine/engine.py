@@ -103,6 +103,10 @@ class Engine:
                 raise InvalidRequestError(message, "max_tokens")
         if params.beam_size < 1 or params.beam_size > self.config.n_slots:
             raise InvalidRequestError(f"beam_size must be between 1 and {self.config.n_slots}", "beam_size")
+        if params.sampling.logit_bias:
+            vocab_size = self.runner.tokenizer.vocab_size
+            if any(not 0 <= token < vocab_size for token, _ in params.sampling.logit_bias):
+                raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
         if not 0 <= params.min_tokens <= max_tokens:
             raise InvalidRequestError(f"min_tokens must be between 0 and max_tokens ({max_tokens})", "min_tokens")
         if params.n_best < 1 or params.n_best > params.beam_size:

@@ -12,7 +12,7 @@ from torch import Tensor
 from model.beam_search import BeamState, Hypothesis, step_beams
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, KVCache
-from model.sampling import apply_penalties, sample_next, suppress, suppressed_index
+from model.sampling import adjust_logits, sample_next, suppress, suppressed_index
 from model.tokenizer import TextTokenizer
 from model.translate import max_new_tokens_for, pad_batch
 from model.translator import Translator
@@ -65,7 +65,7 @@ class ModelRunner(Protocol):
 
 def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) -> list[int]:
     """Each request's next token from its row of logits (B, V), suppressed ids already at -inf,
-    after its penalties and, before its min_tokens, with eos_ids at -inf (on a copy: the logits
+    after its penalties and logit bias and, before its min_tokens, with eos_ids at -inf (on a copy: the logits
     stay as they are, for logprobs)."""
     for r in requests:
         if r.rng is None and not r.params.sampling.greedy:
@@ -73,13 +73,13 @@ def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) ->
             r.rng = torch.Generator().manual_seed(seed)
 
     def adjusted(row: Tensor, r: Request) -> Tensor:
-        if r.params.sampling.penalized:
-            row = apply_penalties(row, r.params.sampling, r.prompt_ids, r.output_ids)
+        if r.params.sampling.adjusts_logits:
+            row = adjust_logits(row, r.params.sampling, r.prompt_ids, r.output_ids)
         if len(r.output_ids) < r.params.min_tokens:
             row = row.float().index_fill(-1, torch.tensor(sorted(eos_ids), device=row.device), float("-inf"))
         return row.float()
 
-    if any(r.params.sampling.penalized or len(r.output_ids) < r.params.min_tokens for r in requests):
+    if any(r.params.sampling.adjusts_logits or len(r.output_ids) < r.params.min_tokens for r in requests):
         logits = torch.stack([adjusted(row, r) for row, r in zip(logits, requests, strict=True)])  # (B, V)
     return sample_next(logits, [r.params.sampling for r in requests], [r.rng for r in requests]).tolist()
 

@@ -116,6 +116,8 @@ def test_n_gives_independent_choices_each_with_its_own_seed(api: tuple[TestClien
         ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
         ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
@@ -145,11 +147,12 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(api: tuple[TestClient, Ech
     assert http.post("/tokenize", json={}).status_code == 400
 
 
-def test_penalties_min_tokens_and_ignore_eos_reach_the_model(api: tuple[TestClient, EchoModel]) -> None:
+def test_penalties_bias_min_tokens_and_ignore_eos_reach_the_model(api: tuple[TestClient, EchoModel]) -> None:
     http, model = api
-    penalties = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True}
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2}
+    penalties |= {"min_tokens": 2, "ignore_eos": True, "logit_bias": {"5": -100}}
     assert http.post("/v1/completions", json={"prompt": "x", **penalties}).status_code == 200
     assert http.post("/v1/chat/completions", json={"messages": MESSAGES, **penalties}).status_code == 200
     for request in model.requests:
         assert (request.presence_penalty, request.frequency_penalty, request.repetition_penalty) == (0.5, -0.5, 1.2)
-        assert (request.min_tokens, request.ignore_eos) == (2, True)
+        assert (request.min_tokens, request.ignore_eos, request.logit_bias) == (2, True, ((5, -100.0),))

@@ -1,7 +1,7 @@
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from model.sampling import SamplingParams, apply_penalties, filter_logits, sample_next
+from model.sampling import SamplingParams, adjust_logits, filter_logits, sample_next
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
@@ -33,7 +33,7 @@ def test_repetition_penalty_is_transformers_on_the_prompt_and_output_tokens() ->
     torch.manual_seed(0)
     logits = torch.randn(50) * 3  # positive and negative logits
     prompt, output = [3, 7, 7, 11], [20, 3, 42]
-    ours = apply_penalties(logits, SamplingParams(repetition_penalty=1.3), prompt, output)
+    ours = adjust_logits(logits, SamplingParams(repetition_penalty=1.3), prompt, output)
     theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits.unsqueeze(0).clone())[0]
     assert torch.allclose(ours, theirs)
     assert not torch.equal(ours, logits)
@@ -41,9 +41,15 @@ def test_repetition_penalty_is_transformers_on_the_prompt_and_output_tokens() ->
 
 def test_presence_and_frequency_penalties_are_openais_on_the_output_tokens() -> None:
     logits = torch.zeros(8)
-    ours = apply_penalties(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 1, 2], [4, 4, 4, 5])
+    ours = adjust_logits(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 1, 2], [4, 4, 4, 5])
     expected = torch.zeros(8)
     expected[4] = -(0.25 * 3 + 0.5)  # three times: frequency x 3, presence once
     expected[5] = -(0.25 * 1 + 0.5)
     assert torch.equal(ours, expected)  # the prompt's tokens (1, 2) are not penalised
-    assert torch.equal(apply_penalties(logits, SamplingParams(presence_penalty=1.0), [1], []), logits)  # nothing generated yet
+    assert torch.equal(adjust_logits(logits, SamplingParams(presence_penalty=1.0), [1], []), logits)  # nothing generated yet
+
+
+def test_logit_bias_is_added_after_the_penalties() -> None:
+    logits = torch.tensor([1.0, 2.0, -1.0, 0.5])
+    params = SamplingParams(repetition_penalty=2.0, logit_bias=((1, -100.0), (3, 5.0)))
+    assert torch.equal(adjust_logits(logits, params, [1], []), torch.tensor([1.0, 1.0 - 100.0, -1.0, 5.5]))
