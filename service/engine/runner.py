@@ -87,7 +87,7 @@ def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) ->
 def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """Each row's log-probability of its token under logits (R, V), with the `top` most likely."""
     log_probs = F.log_softmax(logits.float(), dim=-1)  # (R, V)
-    chosen = log_probs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))[:, 0].tolist()  # (R,)
+    chosen = log_probs.gather(1, torch.tensor(tokens, dtype=torch.long, device=logits.device).unsqueeze(1))[:, 0].tolist()  # (R,)
     best, best_ids = log_probs.topk(top, dim=-1) if top else (log_probs[:, :0], log_probs[:, :0].long())  # (R, top)
     return [
         TokenLogprob(token, logprob, tuple(zip(ids, values, strict=True)))

@@ -13,7 +13,7 @@ from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError
 from service.engine.request import Delta, GenerationParams, Request
 
-PROMPTS = ["ROMEO:\nWhat light through yonder window breaks?", "First Citizen:\nBefore we proceed", "O"]
+PROMPTS = ["ROMEO:\nWhat light through yonder window breaks?", "First Citizen:\nBefore we proceed", "O", "\n"]  # one-token prompts too
 TOLERANCE = 1e-4  # the engine's packed linear layers round differently from the plain ones
 
 
