@@ -64,9 +64,9 @@ class ModelRunner(Protocol):
 
 
 def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) -> list[int]:
-    """Each request's next token from its row of logits (B, V), suppressed ids already at -inf,
-    after its penalties and logit bias and, before its min_tokens, with eos_ids at -inf (on a copy: the logits
-    stay as they are, for logprobs)."""
+    """Each request's next token from its row of logits (B, V), suppressed ids already at -inf:
+    after its penalties and logit bias, and with eos_ids at -inf before its min_tokens (on a copy:
+    the logits stay as they are, for logprobs)."""
     for r in requests:
         if r.rng is None and not r.params.sampling.greedy:
             seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
