@@ -4,14 +4,20 @@ conftest.py files; the engine's fakes in tests/engine/helpers.py (which imports 
 or pydantic)."""
 
 import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 import yaml
 from httpx_sse import aconnect_sse, connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtests.cluster import free_port
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.api.backend import Backends, ModelBackend
 from service.config import ModelServingConfig, ServiceConfig
@@ -131,3 +137,21 @@ def assert_serves(url: str) -> None:
     frames = stream_data(f"{url}/v1/completions", body | {"stream": True}, timeout_s=120)
     streamed = "".join(json.loads(f)["choices"][0]["text"] for f in frames[:-1])
     assert frames[-1] == "[DONE]" and streamed == completion.json()["choices"][0]["text"]
+
+
+@contextmanager
+def served_in_thread(app: Any) -> Iterator[str]:
+    """An ASGI app served by uvicorn in this process on a free 127.0.0.1 port: its URL, until the
+    block ends (for a browser that needs a real server in front of fake models)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, "127.0.0.1", port))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "the server stopped before it started"
+            time.sleep(0.05)  # a poll interval: the loop ends when the server has started (or died)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join()

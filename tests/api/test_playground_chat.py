@@ -4,18 +4,14 @@ streamed reply is shown, and a model's refusal (no chat template) is shown witho
 conversation."""
 
 import shutil
-import socket
-import threading
-import time
 from collections.abc import AsyncGenerator, Iterator
 
 import pytest
-import uvicorn
 
 from service.api.app import create_api
 from service.config import ServiceConfig
 from service.protocol import Chunk, GenerateRequest, Refusal
-from tests.helpers import backends_for
+from tests.helpers import backends_for, served_in_thread
 
 REFUSED = "no template please"  # a message the fake answers as a model without a chat template would
 
@@ -44,20 +40,8 @@ class ChatModel:
 @pytest.fixture
 def playground() -> Iterator[tuple[str, ChatModel]]:
     model = ChatModel()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_api(ServiceConfig(), backends_for(ServiceConfig(), model)), "127.0.0.1", port))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive()
-            time.sleep(0.05)  # a poll interval: the loop ends when the server has started
-        yield f"http://127.0.0.1:{port}/", model
-    finally:
-        server.should_exit = True
-        thread.join()
+    with served_in_thread(create_api(ServiceConfig(), backends_for(ServiceConfig(), model))) as url:
+        yield f"{url}/", model
 
 
 def test_the_playground_chats_turn_by_turn_with_the_conversation_so_far(playground: tuple[str, ChatModel]) -> None:

@@ -4,14 +4,10 @@ service is tested in tests/service/test_security.py)."""
 import hmac
 import logging
 import shutil
-import socket
-import threading
-import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
@@ -20,7 +16,7 @@ from service.api.app import create_api
 from service.api.auth import BODY_KEY_PATHS, is_public
 from service.config import ServiceConfig
 from service.protocol import AttentionMap, AttentionRequest, Chunk, GenerateRequest, Refusal
-from tests.helpers import backends_for
+from tests.helpers import backends_for, served_in_thread
 
 KEYS = ["right-key", "second-key"]
 WRONG = "wrong-key-3f9a"
@@ -264,22 +260,11 @@ def test_the_playground_sends_the_key_it_is_given() -> None:
     if chromium is None:
         pytest.skip("Debian's chromium is not installed (CI installs it)")
     backend = RecordingBackend()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_api(ServiceConfig(api_keys=KEYS), backends_for(ServiceConfig(), backend)), "127.0.0.1", port)
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive()
-            time.sleep(0.05)
+    with served_in_thread(create_api(ServiceConfig(api_keys=KEYS), backends_for(ServiceConfig(), backend))) as url:
         with sync_api.sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
             page = browser.new_page()
-            page.goto(f"http://127.0.0.1:{port}/")
+            page.goto(f"{url}/")
             page.click("#translate-button")
             sync_api.expect(page.locator("#translate-status")).to_contain_text("missing API key", timeout=60_000)
             assert backend.requests == []
@@ -290,6 +275,3 @@ def test_the_playground_sends_the_key_it_is_given() -> None:
             sync_api.expect(page.locator("#self-tokens .token").first).to_be_visible(timeout=60_000)
             browser.close()
         assert {type(r) for r in backend.requests} == {GenerateRequest, AttentionRequest}  # translations, completion, attention
-    finally:
-        server.should_exit = True
-        thread.join()

@@ -4,14 +4,14 @@ Imports neither Ray, FastAPI nor pydantic (as model/ and service/engine/), so th
 tests/engine run where those are not installed: the GPU check (benchmarks/gpu.py)."""
 
 import functools
-import time
+import threading
 from dataclasses import dataclass, field
 
 from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
 from model.generator import Generator
 from model.tokenizer import EOS_ID, PAD_ID
 from service.engine.engine import Engine
-from service.engine.request import Request
+from service.engine.request import Delta, Request
 from service.engine.runner import RunnerOutput
 from service.engine.scheduler import SchedulerOutput
 
@@ -52,8 +52,11 @@ class FakeRunner:
     strip_leading_space: bool = False
     fail_on: set[str] = field(default_factory=set)  # request ids whose step raises
     executed: list[SchedulerOutput] = field(default_factory=list)
-    step_seconds: float = 0.0  # simulated model time per step: slept, or added to `clock`
+    step_seconds: float = 0.0  # simulated model time per step, added to `clock`
     clock: "FakeClock | None" = None
+    # When set, each step first takes one permit: a test decides when steps run, never the
+    # machine's speed (a step waits for its permit, holding what it admitted).
+    steps: threading.Semaphore | None = None
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -70,10 +73,10 @@ class FakeRunner:
         return 0
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        if self.steps is not None:
+            self.steps.acquire()
         if self.clock is not None:
             self.clock.now += self.step_seconds
-        else:
-            time.sleep(self.step_seconds)
         self.executed.append(SchedulerOutput(list(plan.prefill), list(plan.decode), list(plan.aborted)))
         if any(r.request_id in self.fail_on for r in plan.prefill + plan.decode):
             raise RuntimeError("injected fault")
@@ -97,17 +100,22 @@ def context_sensitive_generator(device: str = "cpu") -> Generator:
     return model.to(device)
 
 
-def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500) -> dict[str, list[int]]:
-    """Adds requests at the given step numbers and runs until idle; returns token ids per request."""
-    tokens: dict[str, list[int]] = {}
+def deltas_of(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500) -> dict[str, list[Delta]]:
+    """Adds requests at the given step numbers and steps until idle; each request's deltas."""
+    deltas: dict[str, list[Delta]] = {r.request_id: [] for rs in arrivals.values() for r in rs}
     for step in range(max_steps):
         for r in arrivals.get(step, []):
             engine.add_request(r)
         if not engine.has_work and step > max(arrivals):
             break
         for d in engine.step().deltas:
-            tokens.setdefault(d.request_id, []).extend(d.token_ids)
-    return tokens
+            deltas[d.request_id].append(d)
+    return deltas
+
+
+def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500) -> dict[str, list[int]]:
+    """deltas_of's token ids per request."""
+    return {i: [t for d in ds for t in d.token_ids] for i, ds in deltas_of(engine, arrivals, max_steps).items()}
 
 
 PROMPTS = [[5, 9, 13, 7], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8], [21, 33], [60, 4, 17]]

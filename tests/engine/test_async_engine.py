@@ -1,6 +1,7 @@
 """The async front: streams, early exit aborts, queue bound, a failing step, liveness."""
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
@@ -31,15 +32,18 @@ async def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
 
 
 def test_concurrent_streams_complete() -> None:
-    engine = make()
+    steps = threading.Semaphore(0)  # no step runs before all six are submitted
+    engine = make(runner=FakeRunner(steps=steps))
 
     async def main() -> list[list[Delta]]:
         streams = [await engine.submit([10 * (i + 1), 3 + i], GenerationParams(max_tokens=50)) for i in range(6)]
+        steps.release(1000)
         return await asyncio.gather(*(collect(s) for s in streams))
 
     try:
         results = asyncio.run(main())
     finally:
+        steps.release(1000)
         engine.stop()
     for i, deltas in enumerate(results):
         assert deltas[-1].finish_reason == "stop"
@@ -48,12 +52,17 @@ def test_concurrent_streams_complete() -> None:
 
 
 def test_a_reader_that_falls_behind_gets_the_queued_deltas_merged() -> None:
-    engine = make()
+    steps = threading.Semaphore(0)  # the test runs the steps
+    engine = make(runner=FakeRunner(steps=steps))
 
     async def main() -> tuple[list[Delta], list[Delta]]:
         prompt, params = [10, 20], GenerationParams(max_tokens=50)  # FakeRunner: tokens 11..30, then EOS
-        eager = await collect(await engine.submit(prompt, params))
+        eager_stream, eager = await engine.submit(prompt, params), []
+        while not eager or eager[-1].finish_reason is None:  # one step, then its delta read
+            steps.release()
+            eager.append(await anext(eager_stream))
         lagging = await engine.submit(prompt, params)
+        steps.release(21)
         while engine.engine.has_work or engine.num_waiting():  # the whole request runs before the first read
             await asyncio.sleep(0.01)
         engine.stop()  # joins the loop thread: every delta it published is scheduled on this loop
@@ -63,8 +72,9 @@ def test_a_reader_that_falls_behind_gets_the_queued_deltas_merged() -> None:
     try:
         eager, lagging = asyncio.run(main())
     finally:
+        steps.release(1000)
         engine.stop()
-    assert len(eager) > 1 and len(lagging) == 1
+    assert len(eager) == 21 and len(lagging) == 1
     merged = lagging[0]
     assert merged.token_ids == [t for d in eager for t in d.token_ids] and merged.text == "".join(d.text for d in eager)
     assert (merged.finish_reason, merged.prompt_tokens, merged.completion_tokens) == (
@@ -74,49 +84,55 @@ def test_a_reader_that_falls_behind_gets_the_queued_deltas_merged() -> None:
     )
 
 
-def test_paced_streams_send_the_first_token_at_once_then_merged_pieces() -> None:
-    engine = make(runner=FakeRunner(step_seconds=0.005))
-    params = GenerationParams(max_tokens=100)
+@pytest.mark.parametrize("interval", [None, 0.0, 0.1])
+def test_paced_streams_send_the_first_token_at_once_then_what_was_made_meanwhile_merged(interval: float | None) -> None:
+    """The test runs the steps: the first alone, read at once; then the other 30 (tokens 12..40,
+    then EOS) before the reader looks again, so they reach it as one piece, whatever the interval."""
+    steps = threading.Semaphore(0)
+    engine = make(runner=FakeRunner(steps=steps))
 
-    async def main() -> dict[float | None, list[Delta]]:
-        return {
-            interval: await collect(paced(await engine.submit([10, 30], params), interval))  # tokens 11..40, then EOS
-            for interval in (None, 0.0, 0.1)
-        }
+    async def main() -> list[Delta]:
+        stream = paced(await engine.submit([10, 30], GenerationParams(max_tokens=100)), interval)
+        steps.release()
+        first = await anext(stream)
+        steps.release(30)
+        await until(lambda: not engine.engine.has_work)
+        return [first, *[d async for d in stream]]
 
     try:
-        results = asyncio.run(main())
+        deltas = asyncio.run(main())
     finally:
+        steps.release(1000)
         engine.stop()
-    for interval, deltas in results.items():
-        assert [t for d in deltas for t in d.token_ids] == list(range(11, 41)), interval
-        assert len(deltas[0].token_ids) == 1 and deltas[-1].finish_reason == "stop"
-        assert deltas[-1].completion_tokens == 30
-    assert len(results[None]) == 2  # not streamed: the first token (admission), then the rest
-    assert any(len(d.token_ids) > 1 for d in results[0.1][1:])  # 100 ms apart: several 5 ms steps per piece
+    assert [d.token_ids for d in deltas] == [[11], list(range(12, 41))]
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].completion_tokens == 30
 
 
 def test_leaving_a_stream_early_aborts_and_frees_the_slot() -> None:
-    engine = make(n_slots=1)
+    steps = threading.Semaphore(0)  # the test runs the steps: three tokens read, then the reader leaves
+    engine = make(n_slots=1, runner=FakeRunner(steps=steps))
 
     async def main() -> None:
         stream = await engine.submit([10], GenerationParams(max_tokens=1000))
-        async for delta in stream:
-            if delta.completion_tokens >= 3:
-                break
+        for _ in range(3):
+            steps.release()
+            await anext(stream)
         await stream.aclose()  # what a cancelled reader does on client disconnect
+        steps.release(10)  # ten steps, far fewer than the 997 tokens left: only the abort can end it
         await until(lambda: engine.engine.scheduler.slots.num_free == 1)
 
     try:
         asyncio.run(main())
     finally:
+        steps.release(1000)
         engine.stop()
     assert engine.engine.scheduler.slots.num_free == 1
     assert engine.engine.counters.finished.get("abort") == 1
 
 
 def test_full_queue_refuses_at_submit() -> None:
-    engine = make(n_slots=1, max_waiting=2, runner=FakeRunner(step_seconds=0.01))
+    steps = threading.Semaphore(0)  # no step runs: the first request stays admitted, the others wait
+    engine = make(n_slots=1, max_waiting=2, runner=FakeRunner(steps=steps))
 
     async def main() -> None:
         held = [await engine.submit([10], GenerationParams(max_tokens=1000))]
@@ -130,6 +146,7 @@ def test_full_queue_refuses_at_submit() -> None:
     try:
         asyncio.run(main())
     finally:
+        steps.release(10_000)
         engine.stop()
 
 

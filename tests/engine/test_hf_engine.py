@@ -19,6 +19,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner
+from tests.engine.helpers import deltas_of, run
 from tests.hf_folders import build_gpt_neox_folder, build_llama_folder, build_marian_folder
 
 SENTENCES = 40
@@ -36,13 +37,8 @@ def neox(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run_all(engine: Engine, prompts: list[list[int]], params: GenerationParams) -> list[str]:
     """Every prompt submitted at once; each request's text."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(Request(str(i), prompt, params))
-    texts = [""] * len(prompts)
-    while engine.has_work:
-        for delta in engine.step().deltas:
-            texts[int(delta.request_id)] += delta.text
-    return texts
+    streams = deltas_of(engine, {0: [Request(str(i), prompt, params) for i, prompt in enumerate(prompts)]})
+    return ["".join(d.text for d in deltas) for deltas in streams.values()]
 
 
 @torch.inference_mode()
@@ -113,13 +109,8 @@ def test_min_tokens_in_the_engine_is_transformers_min_new_tokens(tmp_path: Path)
     engine = Engine.from_checkpoint(folder, EngineConfig(n_slots=8), "cpu", torch.float32)
     assert [engine.runner.encode_prompt(t) for t in texts] == prompts
     params = GenerationParams(max_tokens=24, min_tokens=12, sampling=GREEDY)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(Request(str(i), prompt, params))
-    tokens: list[list[int]] = [[] for _ in prompts]
-    while engine.has_work:
-        for delta in engine.step().deltas:
-            tokens[int(delta.request_id)] += delta.token_ids
-    for ids, ours in zip(prompts, tokens, strict=True):
+    tokens = run(engine, {0: [Request(str(i), prompt, params) for i, prompt in enumerate(prompts)]})
+    for ids, ours in zip(prompts, tokens.values(), strict=True):
         out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=24, min_new_tokens=12, do_sample=False)
         theirs = out[0, len(ids) :].tolist()
         if theirs[-1] in engine.runner.eos_ids:
@@ -138,14 +129,10 @@ def test_llama_folder_in_the_engine_answers_and_scores_as_transformers(tmp_path:
     engine = Engine(GeneratorRunner(model, ours, n_slots=8, fixed_shape_decode=fixed_shape), EngineConfig(n_slots=8))
     prompts = [engine.runner.encode_prompt(t) for t in texts]
     assert prompts == [tokenizer(t)["input_ids"] for t in texts]  # with its bos
-    for i, prompt in enumerate(prompts):
-        engine.add_request(Request(str(i), prompt, GenerationParams(max_tokens=20, sampling=GREEDY, logprobs=2)))
-    tokens: list[list[int]] = [[] for _ in prompts]
-    logprobs: list[list[float]] = [[] for _ in prompts]
-    while engine.has_work:
-        for delta in engine.step().deltas:
-            tokens[int(delta.request_id)] += delta.token_ids
-            logprobs[int(delta.request_id)] += [s.logprob for s in delta.logprobs or [] if s.logprob is not None]
+    params = GenerationParams(max_tokens=20, sampling=GREEDY, logprobs=2)
+    streams = deltas_of(engine, {0: [Request(str(i), prompt, params) for i, prompt in enumerate(prompts)]}).values()
+    tokens = [[t for d in deltas for t in d.token_ids] for deltas in streams]
+    logprobs = [[s.logprob for d in deltas for s in d.logprobs or [] if s.logprob is not None] for deltas in streams]
     for ids, generated, scored in zip(prompts, tokens, logprobs, strict=True):
         out = hf.generate(
             input_ids=torch.tensor([ids]), max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True

@@ -12,6 +12,7 @@ from service.engine.config import EngineConfig, TokenLogprob
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError
 from service.engine.request import Delta, GenerationParams, Request
+from tests.engine.helpers import deltas_of
 
 PROMPTS = ["ROMEO:\nWhat light through yonder window breaks?", "First Citizen:\nBefore we proceed", "O", "\n"]  # one-token prompts too
 TOLERANCE = 1e-4  # the engine's packed linear layers round differently from the plain ones
@@ -24,13 +25,7 @@ def engine() -> Engine:
 
 def run(engine: Engine, prompts: list[list[int]], params: GenerationParams) -> list[list[Delta]]:
     """Every prompt submitted at once; each request's deltas."""
-    for i, ids in enumerate(prompts):
-        engine.add_request(Request(str(i), ids, params))
-    deltas: list[list[Delta]] = [[] for _ in prompts]
-    while engine.has_work:
-        for delta in engine.step().deltas:
-            deltas[int(delta.request_id)].append(delta)
-    return deltas
+    return list(deltas_of(engine, {0: [Request(str(i), ids, params) for i, ids in enumerate(prompts)]}).values())
 
 
 @torch.no_grad()

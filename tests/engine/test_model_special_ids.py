@@ -28,6 +28,7 @@ from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner, TranslatorRunner, beam_group
+from tests.engine.helpers import deltas_of
 
 MARIAN_LIKE: dict[str, Any] = {"pad_id": 63, "decoder_start_id": 63, "eos_id": 0, "bos_id": 5, "suppressed_ids": (63,)}
 NEOX_LIKE: dict[str, Any] = {"pad_id": 11, "bos_id": 7, "eos_id": 9, "suppressed_ids": (11,)}
@@ -122,22 +123,12 @@ class Final:
 def drive(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 300) -> dict[str, Final]:
     """Adds requests at the given steps and steps until idle; each request's outcome."""
     requests = {r.request_id: r for rs in arrivals.values() for r in rs}
-    streamed: dict[str, list[int]] = {i: [] for i in requests}
-    texts = dict.fromkeys(requests, "")
     finals: dict[str, Final] = {}
-    for step in range(max_steps):
-        for r in arrivals.get(step, []):
-            engine.add_request(r)
-        if not engine.has_work and step > max(arrivals):
-            break
-        for d in engine.step().deltas:
-            streamed[d.request_id] += d.token_ids
-            texts[d.request_id] += d.text
-            if d.finish_reason is not None:
-                r = requests[d.request_id]
-                tokens = r.output_ids if r.params.beam_size > 1 else streamed[d.request_id]
-                finals[d.request_id] = Final(tokens, d.finish_reason, texts[d.request_id], d.alternatives)
-    assert set(finals) == set(requests) and not engine.has_work
+    for request_id, deltas in deltas_of(engine, arrivals, max_steps).items():
+        r, last = requests[request_id], deltas[-1]
+        tokens = r.output_ids if r.params.beam_size > 1 else [t for d in deltas for t in d.token_ids]
+        finals[request_id] = Final(tokens, last.finish_reason, "".join(d.text for d in deltas), last.alternatives)
+    assert all(f.reason is not None for f in finals.values()) and not engine.has_work
     return finals
 
 

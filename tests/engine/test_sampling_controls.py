@@ -9,6 +9,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError
 from service.engine.request import GenerationParams, Request
+from tests.engine.helpers import run
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +18,8 @@ def engine() -> Engine:
 
 
 def tokens(engine: Engine, prompt: str, sampling: SamplingParams) -> list[int]:
-    engine.add_request(Request("r", engine.runner.encode_prompt(prompt), GenerationParams(max_tokens=6, sampling=sampling)))
-    generated: list[int] = []
-    while engine.has_work:
-        generated += [t for d in engine.step().deltas for t in d.token_ids]
-    return generated
+    request = Request("r", engine.runner.encode_prompt(prompt), GenerationParams(max_tokens=6, sampling=sampling))
+    return run(engine, {0: [request]})["r"]
 
 
 def test_logit_bias_forces_and_forbids_tokens(engine: Engine) -> None:

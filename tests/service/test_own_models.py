@@ -5,6 +5,7 @@ test, beside the shipped en -> de translator. Its answers equal transformers' on
 (completions and chats, through the official openai client too), and two translators route by pair."""
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -199,6 +200,34 @@ def test_llama_chats_equal_transformers_generate_on_apply_chat_template_through_
         assert [e.token for e in entries] == [tokenizer.decode([t], skip_special_tokens=True) for t in generated]
         expected = torch.log_softmax(logits[: len(generated)].float(), dim=-1).gather(1, torch.tensor(generated).unsqueeze(1))[:, 0]
         assert torch.allclose(answered, expected, atol=1e-4) and all(len(e.top_logprobs) == 2 for e in entries)
+
+
+@torch.inference_mode()
+def test_the_playground_chats_with_the_llama_folder(served: Served) -> None:
+    """The page against this service: the Llama picked among the generators, Chat mode, greedy;
+    the reply shown is transformers' generate on the template's ids."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (CI installs it)")
+    tokenizer, model = AutoTokenizer.from_pretrained(served.llama), AutoModelForCausalLM.from_pretrained(served.llama).eval()
+    messages = CHATS[0]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(input_ids=ids, max_new_tokens=20, do_sample=False)
+    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+        page = browser.new_page()
+        page.goto(f"{served.url}/")
+        sync_api.expect(page.locator("#generate-model option[value='llama-tiny']")).to_have_count(1, timeout=60_000)
+        page.select_option("#generate-model", "llama-tiny")
+        page.check("#chat-mode")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", "20")
+        page.fill("#prompt", messages[0]["content"])
+        page.click("#generate-button")
+        sync_api.expect(page.locator("#generated")).to_have_text(f"user: {messages[0]['content']}\nassistant: {expected}", timeout=60_000)
+        browser.close()
 
 
 def test_tokenizer_info_gives_the_special_tokens_a_client_can_encode_back(served: Served) -> None:
