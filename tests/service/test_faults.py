@@ -2,10 +2,13 @@
 app in the same Ray): a failing engine step, deadlines, a wedged loop, a replica killed under load."""
 
 import asyncio
+import itertools
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -214,21 +217,37 @@ def test_a_replica_killed_under_load_loses_no_request_and_is_replaced(faults_url
     victim_id, victim = next(iter(stats.items()))
     retries_before = scrape(metrics_url, "ray_serving_request_retries_total", model="faulty-shakespeare")
 
-    async def main() -> tuple[list[tuple[str, str, dict[str, Any] | None]], list[httpx.Response]]:
-        loop = asyncio.get_running_loop()
-        streams = [loop.run_in_executor(None, read_stream, faults_url, i) for i in range(8)]
-        plain = [loop.run_in_executor(None, complete, faults_url, i) for i in range(8)]
-        wait = loop.run_in_executor(
-            None,
-            wait_until,
-            lambda: replica_stats(FAULT_CONFIG.generator.name, 10).get(victim_id, {}).get("running", 0) > 0,
-            "the victim busy",
-        )
-        await wait
-        os.kill(victim["pid"], signal.SIGKILL)
-        return list(await asyncio.gather(*streams)), list(await asyncio.gather(*plain))
+    # Eight streaming and eight plain clients send request after request until the kill, so the
+    # victim has work in flight whenever the router sends it some; each finishes the request it
+    # has open when the kill comes, then stops.
+    killed = threading.Event()
+    streams: list[tuple[str, str, dict[str, Any] | None]] = []
+    plain: list[httpx.Response] = []
 
-    streams, plain = asyncio.run(main())
+    def keep_streaming(client: int) -> None:
+        for seed in itertools.count(client * 1000):
+            streams.append(read_stream(faults_url, seed))
+            if killed.is_set():
+                return
+
+    def keep_completing(client: int) -> None:
+        for seed in itertools.count(client * 1000):
+            plain.append(complete(faults_url, seed))
+            if killed.is_set():
+                return
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        clients = [pool.submit(keep_streaming, i) for i in range(8)] + [pool.submit(keep_completing, i) for i in range(8)]
+        try:
+            wait_until(
+                lambda: replica_stats(FAULT_CONFIG.generator.name, 10).get(victim_id, {}).get("running", 0) > 0,
+                "the victim busy",
+            )
+            os.kill(victim["pid"], signal.SIGKILL)
+        finally:
+            killed.set()
+        for client in clients:
+            client.result()
     assert all(last == "[DONE]" for last, _, _ in streams), [last for last, _, _ in streams]  # never a bare cut
     errors = [error for _, _, error in streams if error is not None]
     assert all(e["type"] == "server_error" and e["code"] == 503 for e in errors), errors
