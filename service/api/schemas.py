@@ -91,7 +91,7 @@ class CompletionRequest(StrictModel):
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's, on the generated tokens
     frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=2.0)  # vLLM's (transformers'), on the prompt's and generated tokens
-    min_tokens: StrictInt = Field(0, ge=0)  # vLLM's: no eos before this many tokens (at most max_tokens)
+    min_tokens: StrictInt = Field(0, ge=0)  # vLLM's: no eos, and no stop string ending, within this many tokens (at most max_tokens)
     ignore_eos: StrictBool = False  # vLLM's: an eos does not end the completion
     best_of: StrictInt | None = None
     logit_bias: LogitBias = None  # OpenAI's: token id (as a string) -> added to its logit, -100 to 100

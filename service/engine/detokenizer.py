@@ -1,5 +1,6 @@
 """Incremental detokenization: token ids -> text pieces that never split a UTF-8 character,
-holding back text that might still become a stop string."""
+holding back text that might still become a stop string. As vLLM's, no stop string ends in the
+text of the first `min_tokens` tokens."""
 
 import codecs
 
@@ -7,14 +8,19 @@ from model.tokenizer import TextTokenizer
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...] = (), strip_leading_space: bool = False) -> None:
+    def __init__(
+        self, tokenizer: TextTokenizer, stop: tuple[str, ...] = (), strip_leading_space: bool = False, min_tokens: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.min_tokens = min_tokens
         self.strip_leading_space = strip_leading_space  # sentence tokenizers mark a word start with a space
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds an incomplete character back
         self.text = ""  # all complete text so far (stop string excluded once found)
         self._emitted = 0  # characters of self.text already returned
         self.stopped = False  # a stop string was found
+        self._tokens = 0  # tokens added
+        self._stops_end_after = 0  # characters of self.text a stop string must end beyond (min_tokens' text)
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the text now safe to emit (maybe empty)."""
@@ -22,11 +28,15 @@ class IncrementalDetokenizer:
         if self.strip_leading_space and not self.text:
             piece = piece.lstrip(" ")
         self.text += piece
-        for stop in self.stop:
-            index = self.text.find(stop, max(0, self._emitted - len(stop)))
-            if index != -1:
-                self.text, self.stopped = self.text[:index], True
-                return self.flush()
+        self._tokens += 1
+        if self._tokens <= self.min_tokens:
+            self._stops_end_after = len(self.text)
+        else:
+            for stop in self.stop:
+                index = self.text.find(stop, max(0, self._emitted - len(stop), self._stops_end_after - len(stop) + 1))
+                if index != -1:
+                    self.text, self.stopped = self.text[:index], True
+                    return self.flush()
         hold = max((len(s) - 1 for s in self.stop), default=0)
         safe = max(self._emitted, len(self.text) - hold)
         out, self._emitted = self.text[self._emitted : safe], safe

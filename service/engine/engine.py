@@ -122,7 +122,9 @@ class Engine:
     def queue(self, request: Request) -> None:
         """Queues a request whose parameters `resolve` returned; raises QueueFullError without queueing."""
         self.scheduler.add(request)
-        detokenizer = IncrementalDetokenizer(self.runner.tokenizer, request.params.stop, self.runner.strip_leading_space)
+        detokenizer = IncrementalDetokenizer(
+            self.runner.tokenizer, request.params.stop, self.runner.strip_leading_space, request.params.min_tokens
+        )
         self._detokenizers[request.request_id] = detokenizer
 
     def abort(self, request_id: str) -> None:

@@ -34,7 +34,7 @@ class GenerationParams:
     length_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    min_tokens: int = 0  # the model's eos ids are not sampled before this many tokens (as transformers' min_new_tokens)
+    min_tokens: int = 0  # no eos id is sampled (transformers' min_new_tokens) and no stop string ends within this many tokens
     ignore_eos: bool = False  # an eos id does not end the sequence (vLLM's, for fixed-length benchmarks)
 
 

@@ -80,6 +80,20 @@ def test_ignore_eos_goes_on_to_max_tokens_and_min_tokens_is_checked() -> None:
         engine.add_request(Request("too-many", [10], GenerationParams(max_tokens=4, min_tokens=5)))
 
 
+def test_min_tokens_holds_stop_strings_back_as_vllm_does() -> None:
+    """No stop string ends in the text of the first min_tokens tokens; one that ends after it stops."""
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=4))
+    engine.add_request(Request("plain", [30], GenerationParams(max_tokens=6, stop=("w3",))))
+    engine.add_request(Request("held", [30], GenerationParams(max_tokens=6, stop=("w3",), min_tokens=2)))
+    engine.add_request(Request("spanning", [30], GenerationParams(max_tokens=6, stop=("2 w33",), min_tokens=2)))
+    engine.add_request(Request("passed", [30], GenerationParams(max_tokens=6, stop=("w31",), min_tokens=1)))
+    streams = run_to_end(engine)
+    text = {k: "".join(d.text for d in v) for k, v in streams.items()}
+    assert text == {"plain": "", "held": "w31 w32 ", "spanning": "w31 w3", "passed": "w31 w32 w33 w34 w35 w36 "}
+    reasons = {k: v[-1].finish_reason for k, v in streams.items()}
+    assert reasons == {"plain": "stop", "held": "stop", "spanning": "stop", "passed": "length"}
+
+
 def test_waiting_queue_limit_refuses_without_queueing() -> None:
     engine = Engine(FakeRunner(), EngineConfig(n_slots=1, max_waiting=2))
     engine.add_request(request("a", [10]))
