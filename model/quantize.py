@@ -7,6 +7,10 @@ row's output does not depend on the other rows of its batch: the batched engine 
 same int8 model computes for one sequence alone. Embeddings, LayerNorms and attention stay float32.
 The weights are four times smaller; the outputs differ from float32's by rounding, so the path is
 held to quality bounds (tests/model/test_quantize.py).
+
+torch's int8 GEMM (`torch._int_mm`) is fast on CPUs with AVX-512; on AVX2-only CPUs it falls back
+to a loop 12-25x slower than a float32 GEMM. There the same int32 sums are computed by a float32
+GEMM over int8 values, which is exact: every product and partial sum is an integer below 2^24.
 """
 
 from typing import Literal
@@ -20,6 +24,23 @@ from model.translator import Translator
 
 INT8_MAX = 127
 WeightType = torch.dtype | Literal["int8"]  # "int8": float32 quantised for the CPU (below)
+# Float32 holds every integer up to 2^24 exactly; a sum of K int8 products is at most 127^2 K.
+EXACT_FLOAT_K = 2**24 // INT8_MAX**2  # 1040
+INT_MM_IS_FAST = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def int8_matmul(a: Tensor, b: Tensor, use_int_mm: bool = INT_MM_IS_FAST) -> Tensor:
+    """(N, K) int8 @ (K, M) int8, entries in [-127, 127] as this module rounds them -> (N, M)
+    float32: the exact int32 sums as float32, by torch._int_mm, or by float32 GEMMs (over slices
+    of at most EXACT_FLOAT_K of K, summed in int32, where K is longer): the same numbers."""
+    if use_int_mm:
+        return torch._int_mm(a, b).float()
+    if a.shape[1] <= EXACT_FLOAT_K:
+        return a.float() @ b.float()  # integers below 2^24: exact
+    sums = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)  # (N, M)
+    for k in range(0, a.shape[1], EXACT_FLOAT_K):
+        sums += (a[:, k : k + EXACT_FLOAT_K].float() @ b[k : k + EXACT_FLOAT_K].float()).to(torch.int32)
+    return sums.float()
 
 
 def _row_scales(x: Tensor) -> Tensor:
@@ -52,7 +73,7 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (N, in)
         row_scale = _row_scales(rows)  # (N, 1)
         quantized = torch.round(rows / row_scale).to(torch.int8)  # (N, in)
-        y = torch._int_mm(quantized, self.weight_t) * (row_scale * self.scale)  # (N, out): int32 sums, rescaled
+        y = int8_matmul(quantized, self.weight_t) * (row_scale * self.scale)  # (N, out): exact sums, rescaled
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

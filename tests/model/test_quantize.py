@@ -13,7 +13,7 @@ from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, 
 from model.data import SHARED_DATA, read_lines, split_shakespeare
 from model.generator import Generator
 from model.lm_scoring import nats_per_char
-from model.quantize import Int8Linear
+from model.quantize import EXACT_FLOAT_K, Int8Linear, int8_matmul
 from model.translate import translate_sentences
 from model.translator import Translator
 
@@ -26,6 +26,20 @@ def test_int8_linear_is_close_to_the_float_layer() -> None:
     assert got.shape == expected.shape == (5, 7, 1024)
     relative_error = (got - expected).norm() / expected.norm()
     assert 0 < relative_error < 0.02  # rounded, not copied
+
+
+@pytest.mark.parametrize("k", [1, 256, EXACT_FLOAT_K, EXACT_FLOAT_K + 1, 2500])
+def test_the_float_gemm_path_gives_torchs_int8_sums_exactly(k: int) -> None:
+    """int8_matmul without torch._int_mm (AVX2-only CPUs) computes the same int32 sums, also at
+    the largest magnitudes: rows and columns of +-127 over all of K."""
+    generator = torch.Generator().manual_seed(k)
+    a = torch.randint(-127, 128, (9, k), dtype=torch.int8, generator=generator)
+    b = torch.randint(-127, 128, (k, 33), dtype=torch.int8, generator=generator)
+    a[0], b[:, 0], b[:, 1] = 127, 127, -127  # sums of +-127^2 k
+    expected = torch._int_mm(a, b).float()
+    assert expected[0, 0] == float(127 * 127 * k) and expected[0, 1] == float(-127 * 127 * k)
+    assert torch.equal(int8_matmul(a, b, use_int_mm=False), expected)
+    assert torch.equal(int8_matmul(a, b, use_int_mm=True), expected)
 
 
 def test_a_rows_output_does_not_depend_on_its_batch() -> None:
