@@ -1,22 +1,49 @@
 """On the shipped checkpoints: the engine's KV-cached, batched greedy decoding equals full
 recomputation token for token, for both models, with float32 weights and with int8 weights
-(model/quantize.py: the int8 engine computes what the same int8 model computes alone)."""
+(model/quantize.py: the int8 engine computes what the same int8 model computes alone).
+
+"Equals" allows one thing: the two paths sum in different orders, so their logits differ by
+float rounding (float32: under 1e-5), which int8 amplifies where it rounds an activation to
+another integer (measured: up to 0.033 in a chosen token's logprob over 480 steps). Where the
+recomputation's top two logits are closer than that, the paths may pick different tokens (seen
+on an AVX2-only CPU: 8.5551 against 8.5507) and continue differently. So the sequences must be
+equal up to their first difference, and there the recomputed logits of the two choices must be
+within TIE of each other."""
+
+from collections.abc import Callable
 
 import pytest
 import torch
+from torch import Tensor
 
 from model.beam_search import beam_search
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
 from model.data import SHARED_DATA, pad, read_lines
+from model.generator import Generator
+from model.masks import padding_mask
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
 from model.sampling import GREEDY
 from model.translate import greedy_translate
+from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from tests.engine.helpers import run
 
 WEIGHTS: list[WeightType] = [torch.float32, "int8"]
+TIE: dict[WeightType, float] = {torch.float32: 1e-4, "int8": 0.1}  # logits closer than this are a tie
+
+
+def assert_equal_up_to_a_tie(got: list[int], expected: list[int], logits_after: Callable[[list[int]], Tensor], tie: float) -> None:
+    """got equals expected (each ends with the same eos, or none), or leaves it at a near-tie:
+    where they first differ, logits_after(the common prefix) (V,) scores both choices within tie."""
+    first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    if first is None:
+        assert got == expected  # one may not stop before the other without choosing differently
+        return
+    logits = logits_after(expected[:first])
+    gap = float(logits[expected[first]] - logits[got[first]])
+    assert 0 <= gap <= tie, f"token {first}: {got[first]} chosen over {expected[first]}, recomputed logits {gap:.6f} apart"
 
 
 def on_device(device: str, weights: WeightType) -> str:
@@ -24,6 +51,28 @@ def on_device(device: str, weights: WeightType) -> str:
     if weights == "int8" and device != "cpu":
         pytest.skip("int8 weights run on the CPU only")
     return device
+
+
+def generator_logits(model: Generator, prompt: list[int]) -> Callable[[list[int]], Tensor]:
+    """The recomputed next-token logits (V,) after prompt + a generated prefix."""
+
+    @torch.no_grad()
+    def logits_after(prefix: list[int]) -> Tensor:
+        return model(torch.tensor([prompt + prefix], device=next(model.parameters()).device))[0, -1]
+
+    return logits_after
+
+
+def translator_logits(model: Translator, src: Tensor) -> Callable[[list[int]], Tensor]:
+    """The recomputed next-token logits (V,) for one source src (1, S) after a target prefix."""
+
+    @torch.no_grad()
+    def logits_after(prefix: list[int]) -> Tensor:
+        tgt = torch.tensor([[model.config.start_id, *prefix]], device=src.device)  # (1, T)
+        memory_kv = model.cross_key_values(model.encode(src))
+        return model.decode(tgt, memory_kv, padding_mask(src, model.config.pad_id))[0, -1]
+
+    return logits_after
 
 
 @pytest.mark.parametrize("weights", WEIGHTS)
@@ -37,7 +86,8 @@ def test_generator_engine_equals_recomputation_on_the_shipped_checkpoint(weights
     batched = run(engine, {0: requests[:1], 2: requests[1:]})
     model = engine.runner.model  # type: ignore[attr-defined]
     for r in requests:
-        assert batched[r.request_id] == generate_greedy_uncached(model, r.prompt_ids, r.params.max_tokens)
+        expected = generate_greedy_uncached(model, r.prompt_ids, r.params.max_tokens)
+        assert_equal_up_to_a_tie(batched[r.request_id], expected, generator_logits(model, r.prompt_ids), TIE[weights])
 
 
 def test_idle_rows_in_the_decode_span_leave_outputs_unchanged(device: str) -> None:
@@ -54,7 +104,8 @@ def test_idle_rows_in_the_decode_span_leave_outputs_unchanged(device: str) -> No
     batched = run(engine, {0: requests[:6], 6: requests[6:7], 9: requests[7:]})
     model = engine.runner.model  # type: ignore[attr-defined]
     for r in requests:
-        assert batched[r.request_id] == generate_greedy_uncached(model, r.prompt_ids, r.params.max_tokens)
+        expected = generate_greedy_uncached(model, r.prompt_ids, r.params.max_tokens)
+        assert_equal_up_to_a_tie(batched[r.request_id], expected, generator_logits(model, r.prompt_ids), TIE[torch.float32])
     assert engine.scheduler.slots.num_free == 8
 
 
@@ -69,9 +120,13 @@ def test_translator_engine_equals_recomputation_on_the_shipped_checkpoint(weight
     model = engine.runner.model  # type: ignore[attr-defined]
     src = pad([r.prompt_ids for r in requests]).to(device)
     expected = greedy_translate_uncached(model, src, 40)
-    assert [batched[r.request_id] for r in requests] == expected
-    assert greedy_translate(model, src, 40) == expected
-    assert [h[0].tokens for h in beam_search(model, src, beam_size=1, max_new_tokens=40)] == expected
+    cached = greedy_translate(model, src, 40)
+    beam_1 = [h[0].tokens for h in beam_search(model, src, beam_size=1, max_new_tokens=40)]
+    eos = [model.config.eos_id]
+    for k, r in enumerate(requests):
+        logits_after = translator_logits(model, src[k : k + 1])
+        for got in (batched[r.request_id], cached[k], beam_1[k]):
+            assert_equal_up_to_a_tie(got + eos, expected[k] + eos, logits_after, TIE[weights])
 
 
 def test_shipped_checkpoints_load_without_unpickling() -> None:

@@ -11,6 +11,7 @@ import ctranslate2
 import numpy as np
 import pytest
 import torch
+from sacrebleu.metrics.bleu import BLEU
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
 
@@ -194,11 +195,18 @@ def test_ctranslate2_int8_export(translator: tuple[Translator, Tokenizer], tmp_p
     export_ct2(DEFAULT_TRANSLATOR, tmp_path / "int8", quantization="int8")
     assert (tmp_path / "int8" / "model.bin").stat().st_size < 0.4 * DEFAULT_TRANSLATOR.joinpath("model.safetensors").stat().st_size
     ct2 = ctranslate2.Translator(str(tmp_path / "int8"), device="cpu", compute_type="int8", intra_threads=1)
-    ids, limits = sources(tokenizer, 50)
+    ids, limits = sources(tokenizer, 200)
     ours = greedy_translate(model, pad(ids), limits)
     results = ct2.translate_batch([[tokenizer.sp.id_to_piece(i) for i in s[:-1]] for s in ids], beam_size=1, min_decoding_length=0)
     theirs = [[tokenizer.sp.piece_to_id(p) for p in r.hypotheses[0]] for r in results]
-    assert sum(a == b for a, b in zip(ours, theirs, strict=True)) >= 40  # quantized: close, not equal
+    # Quantized: close, not equal, and how close depends on the CPU's int8 kernels (identical
+    # sentences: 40 or more of the first 50 on the machines this ran on before; 33 of 50 and 137
+    # of 200 on an AVX2-only CPU, with a BLEU of 36.62 against 36.47). The export must keep the quality.
+    references = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.de.gz")[:200]
+    bleu_ours, bleu_theirs = (BLEU().corpus_score([tokenizer.decode(t) for t in out], [references]).score for out in (ours, theirs))
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    print(f"CTranslate2 int8: {same} of 200 identical to float32, BLEU {bleu_theirs:.2f} against {bleu_ours:.2f}")
+    assert bleu_ours > 30 and abs(bleu_theirs - bleu_ours) < 1.0
 
 
 def test_exports_refuse_layouts_the_targets_cannot_express() -> None:
