@@ -14,6 +14,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.min_tokens = min_tokens
+        self._hold = max((len(s) - 1 for s in stop), default=0)  # characters that may begin a stop string
         self.strip_leading_space = strip_leading_space  # sentence tokenizers mark a word start with a space
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # holds an incomplete character back
         self.text = ""  # all complete text so far (stop string excluded once found)
@@ -37,8 +38,7 @@ class IncrementalDetokenizer:
                 if index != -1:
                     self.text, self.stopped = self.text[:index], True
                     return self.flush()
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        safe = max(self._emitted, len(self.text) - hold)
+        safe = max(self._emitted, len(self.text) - self._hold)
         out, self._emitted = self.text[self._emitted : safe], safe
         return out
 

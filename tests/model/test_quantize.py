@@ -39,7 +39,6 @@ def test_the_float_gemm_path_gives_torchs_int8_sums_exactly(k: int) -> None:
     expected = torch._int_mm(a, b).float()
     assert expected[0, 0] == float(127 * 127 * k) and expected[0, 1] == float(-127 * 127 * k)
     assert torch.equal(int8_matmul(a, b, use_int_mm=False), expected)
-    assert torch.equal(int8_matmul(a, b, use_int_mm=True), expected)
 
 
 def test_a_rows_output_does_not_depend_on_its_batch() -> None:

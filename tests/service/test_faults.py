@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -224,20 +224,15 @@ def test_a_replica_killed_under_load_loses_no_request_and_is_replaced(faults_url
     streams: list[tuple[str, str, dict[str, Any] | None]] = []
     plain: list[httpx.Response] = []
 
-    def keep_streaming(client: int) -> None:
+    def keep_sending(send: Callable[[str, int], Any], answers: list[Any], client: int) -> None:
         for seed in itertools.count(client * 1000):
-            streams.append(read_stream(faults_url, seed))
-            if killed.is_set():
-                return
-
-    def keep_completing(client: int) -> None:
-        for seed in itertools.count(client * 1000):
-            plain.append(complete(faults_url, seed))
+            answers.append(send(faults_url, seed))
             if killed.is_set():
                 return
 
     with ThreadPoolExecutor(max_workers=16) as pool:
-        clients = [pool.submit(keep_streaming, i) for i in range(8)] + [pool.submit(keep_completing, i) for i in range(8)]
+        clients = [pool.submit(keep_sending, read_stream, streams, i) for i in range(8)]
+        clients += [pool.submit(keep_sending, complete, plain, i) for i in range(8)]
         try:
             wait_until(
                 lambda: replica_stats(FAULT_CONFIG.generator.name, 10).get(victim_id, {}).get("running", 0) > 0,
