@@ -131,7 +131,7 @@ def offline_engine(checkpoint: Path, n_slots: int, device: str, dtype: WeightTyp
         return Engine.from_checkpoint(checkpoint, config, device, dtype)
     model, tokenizer = load_checkpoint(checkpoint, device, dtype)
     if isinstance(model, Generator):
-        return Engine(GeneratorRunner(model, tokenizer, n_slots, fixed_shape_decode=fixed_shape), config)
+        return Engine(GeneratorRunner(model, tokenizer, config, fixed_shape_decode=fixed_shape), config)
     return Engine(TranslatorRunner(model, tokenizer, n_slots, fixed_shape_decode=fixed_shape), config)
 
 
@@ -303,7 +303,7 @@ def bandwidth_floor(device: str, dtype: torch.dtype, tier: Tier) -> dict[str, fl
     def decode() -> None:
         with torch.inference_mode():
             for position in range(steps):
-                runner.decode_logits({0: (5, position % 64)})
+                runner.decode_logits({0: (5, position % 64, [1, 2, 3, 4])})  # blocks 1-4: positions 0-63 at block size 16
 
     step = best_seconds(decode, device, tier.repeats) / steps
     size = tier.copy_mib * 2**20

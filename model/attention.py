@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.kv_cache import PagedLayer
 from model.positions import apply_rope
 
 
@@ -122,9 +123,15 @@ class MultiHeadAttention(nn.Module):
         """x: (B, T, d_model) queries. key_value: projected keys/values for cross-attention
         (from `project_key_value`); None means self-attention over x (and the cache, if given).
         rope: (cos, sin) at the query positions, (B, 1, T, R), applied to self-attention queries and keys.
-        The cache holds Hkv heads. Returns (B, T, d_model) and the weights (B, H, T, S) when asked for.
+        The cache holds Hkv heads; a PagedLayer (a ragged step's, model/kv_cache.py) takes the keys
+        and attends each sequence over its own, x then being the step's tokens (1, N, d_model).
+        Returns (B, T, d_model) and the weights (B, H, T, S) when asked for.
         """
         B, T, _ = x.shape
+        if isinstance(cache, PagedLayer):  # a ragged step (B = 1, T = its tokens): keys from the blocks
+            q, k, v = self._project_self(x, rope)
+            out = cache.attend(q, k, v).transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (1, N, H D)
+            return self.out_proj(out), None
         if key_value is None:
             q, k, v = self._project_self(x, rope)  # (B, H, T, D), (B, Hkv, T, D) twice
             if cache is not None:

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from model.attention import MultiHeadAttention, SelfAttentionCache
 from model.config import GeneratorConfig
+from model.kv_cache import PagedLayer
 from model.layers import DecoderLayer, FeedForward, make_norm, project_logits
 from model.positions import PositionEncoder, rope_inv_freq
 
@@ -82,3 +83,20 @@ class Generator(nn.Module):
             x = layer(x, mask, rope, caches[i] if caches is not None else None)
         head = self.output_projection if self.output_projection is not None else self.lm_head
         return project_logits(self.final_norm(x), self.embed, head)
+
+    def forward_ragged(self, ids: Tensor, positions: Tensor, layers: Sequence[PagedLayer], logit_rows: Tensor) -> Tensor:
+        """Next-token logits (R, vocab) at logit_rows (R,) of one ragged step: ids and positions (N,)
+        are the step's new tokens of every sequence, flattened (model/kv_cache.py ragged_step).
+        Only the rows asked for go through the output projection. Inference only (no dropout)."""
+        ids, positions = ids[None], positions[None]  # (1, N)
+        rope = self.positions.rope(positions)
+        x = self.positions.embed(self.embed(ids), positions)  # (1, N, d)
+        for layer, cache in zip(self.layers, layers, strict=True):
+            x = layer(x, None, rope, cache)
+        head = self.output_projection if self.output_projection is not None else self.lm_head
+        return project_logits(self.final_norm(x[0].index_select(0, logit_rows))[None], self.embed, head)[0]  # (R, V)
+
+    @property
+    def alibi_slopes(self) -> Tensor | None:
+        """(H,) ALiBi's slopes when the model uses ALiBi, for ragged steps' masks."""
+        return self.positions.slopes if self.positions.kind == "alibi" else None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -128,3 +129,172 @@ class CrossAttentionCache(LayerCaches):
     def copy_slots(self, src: Tensor, dst: Tensor, length: int | None = None) -> None:
         super().copy_slots(src, dst, length)
         self.src_valid[dst] = self.src_valid[src]
+
+
+class PagedKVCache:
+    """Self-attention keys and values of every layer in num_blocks blocks of block_size tokens,
+    (num_blocks, block_size, Hkv, D) each, shared by all sequences through their block tables
+    (vLLM's PagedAttention layout; service/engine/kv_blocks.py hands the blocks out). Token t of a
+    sequence is at slot table[t // block_size] * block_size + t % block_size of the flat view."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @staticmethod
+    def block_bytes(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one block over every layer, keys and values."""
+        return 2 * n_layers * block_size * n_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def layers(self, step: "RaggedStep") -> list["PagedLayer"]:
+        return [PagedLayer(k, v, step) for k, v in zip(self.keys, self.values, strict=True)]
+
+
+def slots_of(block_tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    """Flat cache slots (B, K) of positions (B, K) of the B sequences whose tables (B, nb) are given:
+    table[position // block_size] * block_size + position % block_size."""
+    return block_tables.gather(1, positions // block_size) * block_size + positions % block_size
+
+
+@dataclass
+class DecodeGroup:
+    """The step's one-token queries, attended together: each row's keys gathered block by block
+    (whole blocks: one copy of block_size tokens each), padded to the longest with masked-out blocks."""
+
+    rows: Tensor  # (Bd,) their rows in the step's flat batch
+    key_blocks: Tensor  # (Bd, nb) each row's blocks, in order; keys at positions [0, nb x block_size)
+    mask: Tensor  # (Bd, 1 | H, 1, nb x block_size): bool (True: attend) or float (ALiBi, -inf masked)
+
+
+@dataclass
+class PromptChunk:
+    """One sequence's query run of T > 1 tokens (a prompt, or a chunk of one, after `start` cached tokens)."""
+
+    first: int  # its first row in the step's flat batch
+    length: int  # T
+    start: int  # tokens already in the cache before it
+    key_blocks: Tensor | None  # (nb,) its blocks holding keys [0, start + T); None when start is 0 (the chunk's own keys suffice)
+    mask: Tensor | None  # (1, 1 | H, T, start + T or nb x block_size); None with start 0 and no ALiBi: causal
+
+
+@dataclass
+class RaggedStep:
+    """One step's tokens of every scheduled sequence flattened into one batch (N tokens): where each
+    new key goes, and how each sequence's queries find their keys."""
+
+    slot_mapping: Tensor  # (N,) flat cache slot of each new token's key and value
+    decodes: DecodeGroup | None
+    chunks: list[PromptChunk]
+
+
+def ragged_step(
+    query_lens: list[int],
+    starts: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    alibi_slopes: Tensor | None = None,
+) -> RaggedStep:
+    """The step of sequences each computing query_lens[i] tokens after starts[i] cached ones, their
+    blocks in block_tables[i]; rows of the flat batch follow that order. alibi_slopes (H,): the
+    distance penalty folded into the masks."""
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])  # (N,)
+    width = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # (S, nb)
+    owner = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # (N,)
+    slot_mapping = slots_of(tables[owner], positions[:, None], block_size)[:, 0].to(device)
+    firsts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    one = [i for i, n in enumerate(query_lens) if n == 1]
+    decodes = None
+    if one:
+        lengths = torch.tensor([starts[i] + 1 for i in one])  # (Bd,) keys per row
+        nb = -(-int(lengths.max()) // block_size)
+        key_positions = torch.arange(nb * block_size)[None]  # (1, L)
+        valid = key_positions < lengths[:, None]  # (Bd, L)
+        mask = valid[:, None, None, :]
+        if alibi_slopes is not None:
+            mask = _alibi_mask(alibi_slopes, (lengths - 1)[:, None], key_positions, valid)  # (Bd, H, 1, L)
+        rows = torch.tensor([firsts[i] for i in one])
+        decodes = DecodeGroup(rows.to(device), tables[one, :nb].to(device), mask.to(device))
+    chunks = []
+    for i, (n, s) in enumerate(zip(query_lens, starts, strict=True)):
+        if n == 1:
+            continue
+        nb = -(-(s + n) // block_size)
+        query_positions = torch.arange(s, s + n)[None]  # (1, T)
+        key_positions = torch.arange(nb * block_size if s else n)[None]  # (1, L): whole blocks when read from the cache
+        causal = key_positions[:, None, :] <= query_positions[:, :, None]  # (1, T, L)
+        chunk_mask = None
+        if alibi_slopes is not None:
+            chunk_mask = _alibi_mask(alibi_slopes, query_positions, key_positions, causal).to(device)  # (1, H, T, L)
+        elif s:
+            chunk_mask = causal[:, None].to(device)  # (1, 1, T, L)
+        chunks.append(PromptChunk(firsts[i], n, s, tables[i, :nb].to(device) if s else None, chunk_mask))
+    return RaggedStep(slot_mapping, decodes, chunks)
+
+
+def _alibi_mask(slopes: Tensor, query_positions: Tensor, key_positions: Tensor, allowed: Tensor) -> Tensor:
+    """ALiBi's -slope * distance (B, H, Tq, Tk), -inf where not allowed ((B, Tq, Tk) or (B, Tk) for Tq = 1)."""
+    distance = (query_positions[:, :, None] - key_positions[:, None, :]).abs()  # (B, Tq, Tk)
+    bias = -slopes[None, :, None, None] * distance[:, None].to(slopes.dtype)
+    allowed = allowed if allowed.dim() == 3 else allowed[:, None, :]
+    return bias.masked_fill(~allowed[:, None], float("-inf"))
+
+
+@dataclass
+class PagedLayer:
+    """One layer's pool bound to a step: writes the step's new keys, attends each sequence's queries
+    over its own keys (model/attention.py calls `attend` in place of a cache's update)."""
+
+    keys: Tensor  # (num_blocks, block_size, Hkv, D)
+    values: Tensor
+    step: RaggedStep
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: (1, H, N, D); k, v: (1, Hkv, N, D) of the step's N tokens. Returns (1, H, N, D)."""
+        H, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
+        grouped = Hkv != H
+        flat_keys, flat_values = self.keys.view(-1, Hkv, D), self.values.view(-1, Hkv, D)  # (slots, Hkv, D)
+        flat_keys.index_copy_(0, self.step.slot_mapping, k[0].transpose(0, 1).to(flat_keys.dtype))
+        flat_values.index_copy_(0, self.step.slot_mapping, v[0].transpose(0, 1).to(flat_values.dtype))
+        out = torch.empty_like(q[0].transpose(0, 1))  # (N, H, D)
+        group = self.step.decodes
+        if group is not None:
+            queries = q[0].index_select(1, group.rows).transpose(0, 1)[:, :, None]  # (Bd, H, 1, D)
+            keys, values = self._gather(group.key_blocks)  # (Bd, Hkv, L, D)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask, enable_gqa=grouped)  # (Bd, H, 1, D)
+            out.index_copy_(0, group.rows, attended[:, :, 0].to(out.dtype))
+        for chunk in self.step.chunks:
+            rows = slice(chunk.first, chunk.first + chunk.length)
+            queries = q[:, :, rows]  # (1, H, T, D)
+            if chunk.key_blocks is None:
+                keys, values = k[:, :, rows], v[:, :, rows]  # (1, Hkv, T, D): the chunk's own
+            else:
+                keys, values = self._gather(chunk.key_blocks[None])  # (1, Hkv, L, D)
+            causal = chunk.mask is None
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask, is_causal=causal, enable_gqa=grouped)
+            out[rows] = attended[0].transpose(0, 1).to(out.dtype)
+        return out.transpose(0, 1)[None]  # (1, H, N, D)
+
+    def _gather(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values (B, Hkv, nb x block_size, D) of blocks (B, nb), whole blocks at a time."""
+        B, nb = blocks.shape
+        _, block_size, Hkv, D = self.keys.shape
+        index = blocks.flatten()
+        keys, values = (c.view(c.shape[0], -1).index_select(0, index).view(B, nb * block_size, Hkv, D) for c in (self.keys, self.values))
+        return keys.transpose(1, 2), values.transpose(1, 2)

@@ -151,7 +151,9 @@ class ServiceConfig(BaseModel):
     # translator by its languages; without either, a route takes the first model of its kind.
     models: tuple[ModelServingConfig, ...] = Field(default_factory=shipped_models, min_length=1)
     default_beam_size: int = Field(4, ge=1, le=8)  # translation quality by default; greedy when asked or streaming
-    max_prompt_chars: int = Field(2000, ge=1)  # per completion prompt, checked before tokenizing
+    # Prompts are bounded by the model's context (in tokens, by the engine: 400 past it) and the
+    # body by max_body_bytes; an attention map (layers x heads x T x T floats) by this.
+    max_attention_chars: int = Field(2000, ge=1)
     max_batch_texts: int = Field(32, ge=1)  # texts (list items) per translation request
     max_translate_chars: int = Field(5000, ge=1)  # characters per translation request, all texts together
     max_translate_sentences: int = Field(64, ge=1)  # sentences per translation request, all texts together

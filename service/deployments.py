@@ -119,10 +119,12 @@ class ModelDeployment:
         self.engine = AsyncEngine(engine)
         self.runner = engine.runner
         self.inspector = AttentionInspector(config.checkpoint, device)
+        pool = self.runner.kv_pool
         log.info(
-            "%s ready on %s (%s, %d torch threads), KV cache %.1f MB, %d bytes a token",
+            "%s ready on %s (%s, %d torch threads), KV cache %.1f MB (%s), context %d tokens",
             config.name, device, dtype, torch.get_num_threads(), self.runner.kv_cache_bytes / 1e6,
-            self.runner.kv_cache_bytes // (config.engine.n_slots * self.runner.max_len),  # grouped-query attention: KV heads only
+            f"{pool.num_blocks - 1} blocks of {pool.block_size} tokens" if pool else f"{config.engine.n_slots} slots",
+            self.runner.max_len,
         )  # fmt: skip
 
     @staticmethod

@@ -77,7 +77,15 @@ class ServingMetrics:
         self.batch_size = Histogram("serving_batch_size", "Sequences in one engine step.", BATCH_BUCKETS, tags)
         self.running = Gauge("serving_num_requests_running", "Requests in the running batch.", tags)
         self.waiting = Gauge("serving_num_requests_waiting", "Requests in the engine's queue.", tags)
-        self.kv_usage = Gauge("serving_kv_cache_usage_ratio", "Fraction of KV-cache slots in use (0-1).", tags)
+        self.kv_usage = Gauge("serving_kv_cache_usage_ratio", "Fraction of KV-cache blocks (a translator's slots) in use (0-1).", tags)
+        # Paged KV only (decoder-only models), with vLLM's meanings: prompt tokens looked up in the
+        # prefix cache and found there (vllm:prefix_cache_queries / _hits), blocks held and in all,
+        # running requests preempted (vllm:num_preemptions).
+        self.prefix_queries = Counter("serving_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", tags)
+        self.prefix_hits = Counter("serving_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", tags)
+        self.kv_blocks_used = Gauge("serving_kv_cache_blocks_used", "KV-cache blocks held by running requests.", tags)
+        self.kv_blocks_total = Gauge("serving_kv_cache_blocks_total", "KV-cache blocks in the pool.", tags)
+        self.preemptions = Counter("serving_num_preemptions_total", "Running requests preempted (blocks freed, recomputed later).", tags)
         self.prompt_tokens = Counter("serving_prompt_tokens_total", "Prompt tokens admitted.", tags)
         self.generation_tokens = Counter("serving_generation_tokens_total", "Tokens generated.", tags)
         two_tags: Any = ("model", "finished_reason")  # Ray annotates tag_keys as a 1-tuple
@@ -85,7 +93,8 @@ class ServingMetrics:
         self.failure = request_failure_counter()
         metrics: list[Counter | Gauge | Histogram] = [
             self.ttft, self.itl, self.queue, self.e2e, self.prefill, self.batch_size, self.running, self.waiting, self.kv_usage,
-            self.prompt_tokens, self.generation_tokens, self.success, self.failure,
+            self.prompt_tokens, self.generation_tokens, self.success, self.failure, self.prefix_queries, self.prefix_hits,
+            self.kv_blocks_used, self.kv_blocks_total, self.preemptions,
         ]  # fmt: skip
         for metric in metrics:
             metric.set_default_tags({"model": model})
@@ -121,3 +130,11 @@ class ServingMetrics:
         self.running.set(report.running)
         self.waiting.set(report.waiting)
         self.kv_usage.set(report.kv_cache_usage)
+        if report.kv_blocks_total:
+            self.kv_blocks_used.set(report.kv_blocks_used)
+            self.kv_blocks_total.set(report.kv_blocks_total)
+        if report.prefix_cache_queries:
+            self.prefix_queries.inc(report.prefix_cache_queries)
+            self.prefix_hits.inc(report.prefix_cache_hits)
+        if report.preemptions:
+            self.preemptions.inc(report.preemptions)

@@ -228,10 +228,11 @@ def build_llama_folder(
     attention_bias: bool = False,
     rope_scaling: dict[str, Any] | None = None,
     tie: bool = False,
+    max_positions: int = 128,
 ) -> Path:
     """architecture "llama", "qwen2" (q/k/v biases, no bos, a ChatML template in
     tokenizer_config.json) or "mistral" (no sliding window); 4 query heads of n_kv_heads key/value
-    heads; rope_scaling: rope_parameters' type and its parameters."""
+    heads; rope_scaling: rope_parameters' type and its parameters; max_positions: its context."""
     path.mkdir(parents=True, exist_ok=True)
     qwen2 = architecture == "qwen2"
     common: dict[str, Any] = {
@@ -241,7 +242,7 @@ def build_llama_folder(
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": n_kv_heads,
-        "max_position_embeddings": 128,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, **(rope_scaling or {})},
         "tie_word_embeddings": tie,

@@ -98,7 +98,7 @@ def prompts_of(body: CompletionRequest) -> list[str | tuple[int, ...]]:
     return [p if isinstance(p, str) else tuple(p) for p in prompt if not isinstance(p, int)]
 
 
-def generate_requests(body: CompletionRequest, config: ServiceConfig) -> list[GenerateRequest]:
+def generate_requests(body: CompletionRequest) -> list[GenerateRequest]:
     """The completion as model requests, one per prompt; a missing max_tokens is the engine's to decide."""
     fields = sampling_fields(body)
     if body.max_tokens == 0 and not body.echo:
@@ -112,8 +112,6 @@ def generate_requests(body: CompletionRequest, config: ServiceConfig) -> list[Ge
     for prompt in prompts:
         if not prompt:
             raise APIError(400, "prompt must not be empty", "prompt")
-        if len(prompt) > config.max_prompt_chars:
-            raise APIError(400, f"a prompt has {len(prompt)} characters or tokens; the limit is {config.max_prompt_chars}", "prompt")
         text, ids = (prompt, None) if isinstance(prompt, str) else ("", prompt)
         requests.append(GenerateRequest(text=text, prompt_ids=ids, logprobs=body.logprobs, echo=body.echo, **fields))
     return requests
@@ -143,7 +141,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     config: ServiceConfig = request.app.state.config
     backends: Backends = request.app.state.backends
     model = model_by_name(config, "generator", body.model).name
-    requests = [c for request in generate_requests(body, config) for c in choices(request, body.n)]
+    requests = [c for request in generate_requests(body) for c in choices(request, body.n)]
     streams = await open_streams(backends.models[model], requests, config.retry_after_seconds)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
     frames = CompletionFrames(body.echo, body.logprobs is not None)
@@ -169,9 +167,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     backends: Backends = request.app.state.backends
     model = model_by_name(config, "generator", body.model).name
     messages = tuple((m.role, m.text()) for m in body.messages)
-    characters = sum(len(content) for _, content in messages)
-    if characters > config.max_prompt_chars:
-        raise APIError(400, f"messages have {characters} characters; the limit is {config.max_prompt_chars}", "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -326,8 +321,6 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
         raise APIError(400, "send one of prompt and messages", "prompt")
     text = body.prompt or ""
     messages = tuple((m.role, m.text()) for m in body.messages) if body.messages is not None else None
-    if len(text) + sum(len(c) for _, c in messages or ()) > config.max_prompt_chars:
-        raise APIError(400, f"the text is over {config.max_prompt_chars} characters", "prompt")
     backend = request.app.state.backends.models[model.name]
     tokenized = await backend.tokenize(TokenizeRequest(text, messages, body.add_special_tokens))
     tokens = answered(tokenized, config.retry_after_seconds)

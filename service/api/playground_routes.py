@@ -42,8 +42,8 @@ async def attention(body: AttentionRequestBody, request: Request) -> dict[str, A
     config: ServiceConfig = request.app.state.config
     backends: Backends = request.app.state.backends
     model = model_by_name(config, "generator", body.model).name
-    if len(body.text) > config.max_prompt_chars:
-        raise APIError(400, f"text has {len(body.text)} characters; the limit is {config.max_prompt_chars}", "text")
+    if len(body.text) > config.max_attention_chars:
+        raise APIError(400, f"text has {len(body.text)} characters; the limit is {config.max_attention_chars}", "text")
     result = await attention_map(backends.models[model], AttentionRequest(body.text), config.retry_after_seconds)
     answer = attention_json(result)
     return {

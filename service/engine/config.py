@@ -22,18 +22,14 @@ class TokenLogprob:
     top: tuple[tuple[int | str, float], ...] = ()
 
 
-# The serving context when EngineConfig.max_context is None and the model's positions reach
-# further: the KV cache is preallocated for every slot at its full length (n_slots x context x
-# layers x d_model x 2 values), so a model of 2048 or more positions keeps a cache of this
-# length unless its entry asks for more. Our own checkpoints have 256.
-DEFAULT_MAX_CONTEXT = 1024
-
-
 @dataclass(frozen=True)
 class EngineConfig:
-    n_slots: int = 32  # concurrent sequences (beams count one each): the KV cache's rows
+    n_slots: int = 32  # concurrent sequences (beams count one each); a translator's KV-cache rows
     max_waiting: int = 64  # waiting queue bound: beyond it, requests are refused at once (429)
-    max_prefill_tokens: int = 4096  # prompt tokens admitted per step
+    # Tokens one step computes (vLLM's max_num_batched_tokens): a decoder-only model's running
+    # decodes first, then prompt chunks in what is left, so a long prompt is computed over several
+    # steps while every stream keeps producing; a translator's sources admitted per step.
+    max_num_batched_tokens: int = 512
     policy: BatchingPolicy = "continuous"
     max_tokens_cap: int | None = None  # the most tokens one request may ask for (None: what the context allows)
     # Output length when a request sets none (None: the runner's, e.g. what the context allows for
@@ -44,15 +40,27 @@ class EngineConfig:
     # below Serve's request_timeout_s (deploy/serve_config.yaml) so the engine ends a request first.
     queue_timeout_s: float | None = 60.0
     request_timeout_s: float | None = 240.0
-    # Tokens per sequence the KV cache holds: a generator's prompt plus its output, a translator's
-    # source and, separately, its output (start token included). None: the model's max positions,
-    # at most DEFAULT_MAX_CONTEXT. Longer prompts are refused; more than the model's positions is
-    # an error at load.
+    # Tokens per sequence: a generator's prompt plus its output, a translator's source and,
+    # separately, its output (start token included). None: the model's max positions. Longer
+    # prompts are refused; more than the model's positions is an error at load.
     max_context: int | None = None
+    # A decoder-only model's KV cache: a pool of blocks of block_size tokens shared by every
+    # sequence (model/kv_cache.py PagedKVCache), sized by kv_cache_bytes, or by a share of the
+    # GPU's free memory (kv_cache_memory_fraction, CUDA only); neither: what n_slots sequences of
+    # the whole context need, at most DEFAULT_KV_CACHE_BYTES, at least one whole context.
+    # prefix_caching: full blocks are shared by requests with the same prefix (vLLM's automatic prefix caching).
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.n_slots < 1 or self.max_waiting < 1 or self.max_prefill_tokens < 1:
-            raise ValueError("n_slots, max_waiting and max_prefill_tokens must be at least 1 (a request waits before it runs)")
+        if self.n_slots < 1 or self.max_waiting < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("n_slots, max_waiting and max_num_batched_tokens must be at least 1 (a request waits before it runs)")
+        if self.block_size < 1 or (self.kv_cache_bytes is not None and self.kv_cache_bytes < 1):
+            raise ValueError("block_size and kv_cache_bytes must be at least 1")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if (self.max_tokens_cap is not None and self.max_tokens_cap < 1) or (
             self.default_max_tokens is not None and self.default_max_tokens < 1
         ):
@@ -61,11 +69,16 @@ class EngineConfig:
             raise ValueError("max_context must be at least 2 (a prompt token and one generated)")
 
 
+# The KV pool's default ceiling when neither kv_cache_bytes nor kv_cache_memory_fraction is set
+# (vLLM's CPU build reserves 4 GiB by default; a replica here shares 24 GB with others).
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
 def serving_context(max_context: int | None, model_max_len: int) -> int:
     """The context length the engine serves for a model of model_max_len positions, given
     EngineConfig.max_context; raises ValueError when it asks for more than the model has."""
     if max_context is None:
-        return min(model_max_len, DEFAULT_MAX_CONTEXT)
+        return model_max_len
     if max_context > model_max_len:
         raise ValueError(f"max_context {max_context} is beyond the model's {model_max_len} positions; set max_context to at most that")
     return max_context

@@ -14,9 +14,10 @@ from model.packed_linear import pack_linear_layers, packing_available
 from service.engine.config import EngineConfig, FinishReason, TokenLogprob
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.errors import InvalidRequestError
+from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.runner import ModelRunner, RunnerOutput, runner_for
-from service.engine.scheduler import Scheduler, SchedulerOutput
+from service.engine.scheduler import BlockScheduler, Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ class StepReport:
     running: int = 0  # after the step
     waiting: int = 0
     kv_cache_usage: float = 0.0
+    preemptions: int = 0  # running requests preempted this step (their blocks freed, recomputed later)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache by the requests admitted
+    prefix_cache_hits: int = 0  # of which found cached
+    kv_blocks_used: int = 0  # paged KV only: blocks held by running requests
+    kv_blocks_total: int = 0
 
 
 @dataclass
@@ -66,9 +72,10 @@ class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
         self.runner = runner
         self.config = config
-        self.scheduler = Scheduler(
-            config.n_slots, config.max_waiting, config.max_prefill_tokens, config.policy, config.queue_timeout_s, config.request_timeout_s
-        )
+        limits = (config.max_waiting, config.max_num_batched_tokens, config.policy, config.queue_timeout_s, config.request_timeout_s)
+        pool = runner.kv_pool
+        self.blocks = None if pool is None else KVBlockManager(pool.num_blocks, pool.block_size, pool.prefix_caching, pool.salt)
+        self.scheduler = Scheduler(config.n_slots, *limits) if self.blocks is None else BlockScheduler(self.blocks, config.n_slots, *limits)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.counters = EngineCounters()
         self.on_step: Callable[[StepReport], None] | None = None  # e.g. metrics; called from the stepping thread
@@ -78,7 +85,7 @@ class Engine:
         model, tokenizer = load_checkpoint(directory, device, dtype)
         if torch.device(device).type == "cpu" and dtype == torch.float32 and packing_available():
             pack_linear_layers(model)  # oneDNN GEMMs for the decode steps' many-row batches
-        return cls(runner_for(model, tokenizer, config.n_slots, config.max_context), config)
+        return cls(runner_for(model, tokenizer, config), config)
 
     def max_tokens_limit(self, prompt_length: int) -> int:
         """The most tokens a request with this prompt may ask for."""
@@ -91,7 +98,11 @@ class Engine:
         if not prompt_ids:
             raise InvalidRequestError("the input is empty after tokenization", "prompt")
         if len(prompt_ids) > self.runner.max_prompt_len:
-            raise InvalidRequestError(f"the input has {len(prompt_ids)} tokens; the limit is {self.runner.max_prompt_len}", "prompt")
+            message = (
+                f"This model's maximum context length is {self.runner.max_len} tokens. However, your request has "
+                f"{len(prompt_ids)} input tokens (at most {self.runner.max_prompt_len}). Please reduce the length of the input."
+            )
+            raise InvalidRequestError(message, "prompt")
         limit = self.max_tokens_limit(len(prompt_ids))
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -100,6 +111,11 @@ class Engine:
             lowest = 0 if params.prompt_logprobs is not None else 1  # 0: the prompt scored alone
             if not lowest <= max_tokens <= limit:
                 message = f"max_tokens must be between {lowest} and {limit} for this input ({len(prompt_ids)} tokens)"
+                if max_tokens > limit and limit == self.runner.max_new_tokens(len(prompt_ids)):
+                    message += (
+                        f": this model's maximum context length is {self.runner.max_len} tokens. However, you requested "
+                        f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the input, {max_tokens} in the completion)"
+                    )
                 raise InvalidRequestError(message, "max_tokens")
         if params.beam_size < 1 or params.beam_size > self.config.n_slots:
             raise InvalidRequestError(f"beam_size must be between 1 and {self.config.n_slots}", "beam_size")
@@ -152,10 +168,14 @@ class Engine:
             except Exception as error:
                 log.exception("step failed; failing its %d requests", plan.batch_size)
                 failure = error
+                if self.blocks is not None:
+                    self.blocks.reset_prefix_cache()  # the step's blocks may hold half-written keys
                 for r in plan.prefill + plan.decode:
                     self.scheduler.finish(r, "error")
                     deltas.append(self._finish(r, "error", report, error=f"internal error: {type(error).__name__}"))
             else:
+                if isinstance(self.scheduler, BlockScheduler):
+                    self.scheduler.advance(plan)
                 now = time.monotonic()
                 for r in plan.prefill + plan.decode:
                     delta = self._update(r, output, now, report)
@@ -167,9 +187,19 @@ class Engine:
 
     def _publish_report(self, plan: SchedulerOutput, report: StepReport) -> None:
         report.batch_size = plan.batch_size
-        report.prefill_tokens = sum(len(r.prompt_ids) for r in plan.prefill)
+        if plan.num_tokens:
+            report.prefill_tokens = sum(plan.num_tokens[r.request_id] for r in plan.prefill)
+        else:
+            report.prefill_tokens = sum(len(r.prompt_ids) for r in plan.prefill)
         report.running, report.waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         report.kv_cache_usage = self.scheduler.kv_usage
+        report.preemptions = len(plan.preempted)
+        if self.blocks is not None:
+            stats = self.blocks.stats
+            report.prefix_cache_queries, report.prefix_cache_hits = stats.queries, stats.hits
+            stats.queries = stats.hits = 0  # counted once: each report carries its step's
+            report.kv_blocks_total = self.blocks.num_blocks - 1
+            report.kv_blocks_used = report.kv_blocks_total - self.blocks.num_free
         if plan.batch_size:
             self.counters.steps += 1
             self.counters.batch_size_sum += plan.batch_size

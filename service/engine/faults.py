@@ -27,6 +27,7 @@ class FaultInjectingRunner:
         self.eos_id, self.eos_ids, self.pad_id, self.max_len = runner.eos_id, runner.eos_ids, runner.pad_id, runner.max_len
         self.max_prompt_len = runner.max_prompt_len
         self.strip_leading_space = runner.strip_leading_space
+        self.kv_pool = runner.kv_pool
         self._lock = threading.Lock()
         self._kind: FaultKind = "error"
         self._remaining = 0

@@ -47,6 +47,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     slots: list[int] = field(default_factory=list)  # cache rows held (beam_size of them while running)
     output_ids: list[int] = field(default_factory=list)
+    # Paged KV (BlockScheduler): tokens of prompt_ids + output_ids whose keys are in the cache, and
+    # the prompt's logprobs gathered over its chunks until the prompt is done.
+    num_computed_tokens: int = 0
+    prompt_logprobs_so_far: list[TokenLogprob] = field(default_factory=list)
+    preemptions: int = 0
     finish_reason: FinishReason | None = None
     rng: torch.Generator | None = None  # per-request sampling randomness
     beams: BeamState | None = None  # a beam search's live beams and ended hypotheses (the translator's runner)
@@ -59,6 +64,11 @@ class Request:
         """The output length limit, once the engine has resolved the parameters."""
         assert self.params.max_tokens is not None, "parameters not resolved by the engine"
         return self.params.max_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The prompt and what has been generated, in order (a new list)."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def slots_needed(self) -> int:

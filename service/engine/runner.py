@@ -11,13 +11,13 @@ from torch import Tensor
 
 from model.beam_search import BeamState, Hypothesis, step_beams
 from model.generator import Generator
-from model.kv_cache import CrossAttentionCache, KVCache
+from model.kv_cache import CrossAttentionCache, KVCache, PagedKVCache, ragged_step
 from model.sampling import adjust_logits, sample_next, suppress, suppressed_index
 from model.tokenizer import TextTokenizer
 from model.translate import max_new_tokens_for, pad_batch
 from model.translator import Translator
-from service.engine.config import TokenLogprob, serving_context
-from service.engine.fixed_shape import Fed, GeneratorDecoder, TranslatorDecoder
+from service.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, TokenLogprob, serving_context
+from service.engine.fixed_shape import Fed, GeneratorDecoder, PagedFed, TranslatorDecoder
 from service.engine.request import Request
 from service.engine.scheduler import SchedulerOutput
 
@@ -62,6 +62,10 @@ class ModelRunner(Protocol):
     @property
     def kv_cache_bytes(self) -> int: ...
 
+    @property
+    def kv_pool(self) -> "KVPool | None":
+        """Paged KV (the engine then schedules by blocks), or None: a cache row per slot."""
+
 
 def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) -> list[int]:
     """Each request's next token from its row of logits (B, V), suppressed ids already at -inf:
@@ -102,26 +106,61 @@ def record_logprobs(output: RunnerOutput, logits: Tensor, tokens: list[int], req
             (output.logprobs[r.request_id],) = token_logprobs(logits[row : row + 1], [token], r.params.logprobs)
 
 
+@dataclass(frozen=True)
+class KVPool:
+    """A paged runner's pool, as the engine's BlockScheduler hands it out: block 0 is the null block."""
+
+    num_blocks: int
+    block_size: int
+    prefix_caching: bool
+    salt: str  # in every block hash: the model (its shape and weights' identity)
+
+
+def kv_pool_blocks(config: EngineConfig, context: int, block_bytes: int, block_size: int, device: torch.device) -> int:
+    """Blocks the pool gets (the null block included) from the config's memory budget; ValueError
+    when they cannot hold one sequence of the whole serving context."""
+    if config.kv_cache_bytes is not None:
+        budget = config.kv_cache_bytes
+    elif config.kv_cache_memory_fraction is not None and device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(device)[0] * config.kv_cache_memory_fraction)
+    else:
+        whole = -(-context // block_size) * block_bytes
+        budget = max(min(config.n_slots * whole, DEFAULT_KV_CACHE_BYTES), whole)
+    blocks = budget // block_bytes
+    needed = -(-context // block_size)
+    if blocks < needed:
+        raise ValueError(
+            f"the KV cache budget ({budget} bytes: {blocks * block_size} tokens) cannot hold one sequence of the "
+            f"serving context ({context} tokens); raise kv_cache_bytes or lower max_context"
+        )
+    return blocks + 1
+
+
 class GeneratorRunner:
-    """Decoder-only: batched prefill of new prompts, then one decode step for every running sequence."""
+    """Decoder-only, over paged KV: each step computes the scheduled tokens of every sequence
+    (prompt chunks and one-token decodes alike) as one ragged batch (model/kv_cache.py
+    ragged_step), then samples for the sequences whose tokens are all computed."""
 
     def __init__(
         self,
         model: Generator,
         tokenizer: TextTokenizer,
-        n_slots: int,
+        config: EngineConfig,
         fixed_shape_decode: bool | None = None,
-        max_context: int | None = None,
     ) -> None:
-        """fixed_shape_decode: decode through fixed-shape steps by bucket, CUDA graphs on a GPU
-        (service/engine/fixed_shape.py; default: on CUDA devices, eager on others).
-        max_context: EngineConfig.max_context (None: its default), the cache's length."""
+        """config: the pool's size and blocks, the serving context (EngineConfig). fixed_shape_decode:
+        decode-only steps through fixed-shape steps by bucket, CUDA graphs on a GPU
+        (service/engine/fixed_shape.py; default: on CUDA devices, eager on others)."""
         c = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        self.max_len = serving_context(max_context, c.max_len)  # prompt + output
-        self.cache = KVCache(c.n_layers, n_slots, c.kv_heads, self.max_len, c.head_dim, self.device, dtype)  # keys of the KV heads
+        self.max_len = serving_context(config.max_context, c.max_len)  # prompt + output
+        block_bytes = PagedKVCache.block_bytes(c.n_layers, config.block_size, c.kv_heads, c.head_dim, dtype)
+        num_blocks = kv_pool_blocks(config, self.max_len, block_bytes, config.block_size, self.device)
+        self.cache = PagedKVCache(c.n_layers, num_blocks, config.block_size, c.kv_heads, c.head_dim, self.device, dtype)
+        salt = f"{type(model).__name__}:{c}:{id(model)}"  # one pool per model object: the salt keeps the hashes apart regardless
+        self.kv_pool = KVPool(num_blocks, config.block_size, config.prefix_caching, salt)
         self.max_prompt_len = self.max_len - 1
         self.bos_id, self.eos_id, self.pad_id = c.bos_id, c.eos_id, c.pad_id
         self.eos_ids = frozenset(c.eos_ids)
@@ -129,7 +168,8 @@ class GeneratorRunner:
         self.strip_leading_space = False  # a play's text keeps its layout
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
-        self.fixed_shape = GeneratorDecoder(model, self.cache, capture=self.device.type == "cuda") if fixed_shape_decode else None
+        capture = self.device.type == "cuda"
+        self.fixed_shape = GeneratorDecoder(model, self.cache, config.n_slots, self.max_len, capture) if fixed_shape_decode else None
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - prompt_length
@@ -148,51 +188,75 @@ class GeneratorRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Computes plan.num_tokens[r] tokens of each scheduled request from its
+        num_computed_tokens, and samples the next token of those whose tokens are then all computed."""
         output = RunnerOutput()
+        requests = plan.decode + plan.prefill
+        if not requests:
+            return output
+        started = time.perf_counter()
+        counts = [plan.num_tokens[r.request_id] for r in requests]
+        starts = [r.num_computed_tokens for r in requests]
+        tokens = [r.token_ids for r in requests]
+        done = [s + n == len(t) for s, n, t in zip(starts, counts, tokens, strict=True)]  # all its tokens computed: it samples
+        # Rows whose logits are needed: the last of each request that samples, every row of a prompt chunk that is scored.
+        scored = [r.params.prompt_logprobs is not None and not r.output_ids for r in requests]
+        rows: list[int] = []
+        first = 0
+        for n, d, sc in zip(counts, done, scored, strict=True):
+            rows += list(range(first, first + n)) if sc else [first + n - 1] if d else []
+            first += n
+        if all(n == 1 for n in counts) and len(rows) == len(requests):  # decodes only
+            fed = {r.slots[0]: (t[s], s, plan.block_tables[r.request_id]) for r, t, s in zip(requests, tokens, starts, strict=True)}
+            logits = self.decode_logits(fed)  # (R, V) in requests' order
+        else:
+            ids = torch.tensor([i for t, s, n in zip(tokens, starts, counts, strict=True) for i in t[s : s + n]], device=self.device)
+            positions = torch.tensor([p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)], device=self.device)
+            tables = [plan.block_tables[r.request_id] for r in requests]
+            step = ragged_step(counts, starts, tables, self.cache.block_size, self.device, self.model.alibi_slopes)
+            logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+            logits = self.model.forward_ragged(ids, positions, self.cache.layers(step), logit_rows)  # (len(rows), V)
+        suppress(logits, self.suppressed)
+        at = 0
+        sampling, sampled_rows = [], []
+        for r, n, s, d, sc in zip(requests, counts, starts, done, scored, strict=True):
+            if sc:
+                prompt = r.prompt_ids
+                scoring = min(n, len(prompt) - 1 - s)  # row p scores prompt token p + 1
+                if scoring > 0:
+                    top = r.params.prompt_logprobs or 0
+                    r.prompt_logprobs_so_far += token_logprobs(logits[at : at + scoring], prompt[s + 1 : s + 1 + scoring], top)
+                if d:
+                    output.prompt_logprobs[r.request_id] = [TokenLogprob(prompt[0], None), *r.prompt_logprobs_so_far]
+                at += n
+                if d:
+                    sampling.append(r)
+                    sampled_rows.append(at - 1)
+            elif d:
+                sampling.append(r)
+                sampled_rows.append(at)
+                at += 1
+        if sampling:
+            next_logits = logits.index_select(0, torch.tensor(sampled_rows, device=logits.device))  # (S, V)
+            chosen = _sample(next_logits, sampling, self.eos_ids)
+            output.tokens.update({r.request_id: t for r, t in zip(sampling, chosen, strict=True)})
+            record_logprobs(output, next_logits, chosen, sampling)
         if plan.prefill:
-            started = time.perf_counter()
-            self._prefill(plan.prefill, output)
             output.prefill_seconds = time.perf_counter() - started
-        if plan.decode:
-            self._decode(plan.decode, output)
         return output
 
-    def _prefill(self, requests: list[Request], output: RunnerOutput) -> None:
-        ids = pad_batch([r.prompt_ids for r in requests], self.pad_id).to(self.device)  # (B, T) right-padded
-        B, T = ids.shape
-        slots = [r.slots[0] for r in requests]
-        positions = torch.arange(T, device=self.device).expand(B, T)
-        logits = self.model(ids, positions, self.cache.views(slots, positions, T), T)  # (B, T, V)
-        last = torch.tensor([len(r.prompt_ids) - 1 for r in requests], device=self.device)
-        next_logits = suppress(logits[torch.arange(B, device=self.device), last], self.suppressed)  # (B, V)
-        tokens = _sample(next_logits, requests, self.eos_ids)
-        output.tokens.update({r.request_id: t for r, t in zip(requests, tokens, strict=True)})
-        record_logprobs(output, next_logits, tokens, requests)
-        for row, r in enumerate(requests):
-            if r.params.prompt_logprobs is not None:  # position t's logits score prompt token t + 1
-                scored = token_logprobs(logits[row, : len(r.prompt_ids) - 1], r.prompt_ids[1:], r.params.prompt_logprobs)
-                output.prompt_logprobs[r.request_id] = [TokenLogprob(r.prompt_ids[0], None), *scored]
-
-    def _decode(self, requests: list[Request], output: RunnerOutput) -> None:
-        logits = suppress(self.decode_logits({r.slots[0]: (r.output_ids[-1], _position(r)) for r in requests}), self.suppressed)
-        tokens = _sample(logits, requests, self.eos_ids)
-        output.tokens.update({r.request_id: t for r, t in zip(requests, tokens, strict=True)})
-        record_logprobs(output, logits, tokens, requests)
-
-    def decode_logits(self, fed: Fed) -> Tensor:
-        """Next-token logits (R, V) of one decode step, a row per sequence of fed (slot -> (token,
-        position)) in its order, suppressed ids not yet applied: the fixed-shape step or the dynamic one."""
+    def decode_logits(self, fed: PagedFed) -> Tensor:
+        """Next-token logits (R, V) of a step of one token per sequence, a row per sequence of fed
+        (slot -> (token, position, block table)) in its order, suppressed ids not yet applied: the
+        fixed-shape step or the ragged one."""
         if self.fixed_shape is not None:
             return self.fixed_shape(fed)
-        step = decode_step(fed, self.max_len, self.pad_id, self.device)
-        views = self.cache.views(step.rows, step.positions, step.length)
-        logits = self.model(step.ids, step.positions, views, step.length)[:, -1]  # (rows, V)
-        return logits.index_select(0, torch.tensor([step.row_of[s] for s in fed], device=self.device))
-
-
-def _position(r: Request) -> int:
-    """Position of the token a running generator request feeds this step (its latest)."""
-    return len(r.prompt_ids) + len(r.output_ids) - 1
+        ids_list, positions_list, tables = (list(column) for column in zip(*fed.values(), strict=True))
+        step = ragged_step([1] * len(fed), positions_list, tables, self.cache.block_size, self.device, self.model.alibi_slopes)
+        ids = torch.tensor(ids_list, device=self.device)
+        positions = torch.tensor(positions_list, device=self.device)
+        rows = torch.arange(len(fed), device=self.device)
+        return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
 
 
 @dataclass(frozen=True)
@@ -269,6 +333,7 @@ class TranslatorRunner:
         self.eos_ids = frozenset(c.eos_ids)
         self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
+        self.kv_pool = None  # cache rows per slot (the source's cross-attention keys with each)
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
         capture = self.device.type == "cuda"
@@ -364,7 +429,7 @@ class TranslatorRunner:
         return len(r.beams.sequences[0]) if r.beams is not None else len(r.output_ids)
 
 
-def runner_for(model: Translator | Generator, tokenizer: TextTokenizer, n_slots: int, max_context: int | None = None) -> ModelRunner:
+def runner_for(model: Translator | Generator, tokenizer: TextTokenizer, config: EngineConfig) -> ModelRunner:
     if isinstance(model, Translator):
-        return TranslatorRunner(model, tokenizer, n_slots, max_context)
-    return GeneratorRunner(model, tokenizer, n_slots, max_context=max_context)
+        return TranslatorRunner(model, tokenizer, config.n_slots, config.max_context)
+    return GeneratorRunner(model, tokenizer, config)

@@ -1,4 +1,5 @@
-"""Which requests run this step. Holds no tensors: a waiting queue, a running set and a slot allocator."""
+"""Which requests run this step. Holds no tensors: a waiting queue, a running set, a slot allocator
+and, for paged KV (BlockScheduler), a block manager and a per-step token budget."""
 
 import time
 from collections import deque
@@ -6,6 +7,7 @@ from dataclasses import dataclass, field
 
 from service.engine.config import BatchingPolicy, FinishReason
 from service.engine.errors import QueueFullError
+from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Request, RequestStatus
 
 
@@ -41,6 +43,11 @@ class SchedulerOutput:
     decode: list[Request] = field(default_factory=list)  # already running: one more token each
     aborted: list[Request] = field(default_factory=list)  # removed at the start of this step; their slots are free
     timed_out: list[Request] = field(default_factory=list)  # past a deadline at the start of this step; slots free
+    # BlockScheduler: tokens each request computes this step (from its num_computed_tokens), and the
+    # requests preempted this step (their blocks freed, back to waiting, recomputed later).
+    num_tokens: dict[str, int] = field(default_factory=dict)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # each scheduled request's blocks (a copy)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -93,14 +100,7 @@ class Scheduler:
         self._abort_requested.add(request_id)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        for request_id in self._abort_requested:
-            request = self.running.get(request_id) or next((r for r in self.waiting if r.request_id == request_id), None)
-            if request is not None:
-                self.finish(request, "abort")
-                out.aborted.append(request)
-        self._abort_requested.clear()
-        out.timed_out = self._expire(time.monotonic())
+        out = self._begin_step()
         out.decode = list(self.running.values())
         if self.policy == "static" and self.running:
             return out
@@ -109,14 +109,33 @@ class Scheduler:
             request = self.waiting[0]
             if out.prefill and len(request.prompt_ids) > budget:
                 break  # the budget bounds one step's prompt work; the first admission is always allowed
-            slots = self.slots.allocate(request.slots_needed)
-            if slots is None:
+            if not self._admit(request):
                 break  # first come, first served: no overtaking by smaller requests
-            self.waiting.popleft()
-            request.slots, request.status, request.scheduled_time = slots, RequestStatus.RUNNING, time.monotonic()
-            self.running[request.request_id] = request
             out.prefill.append(request)
             budget -= len(request.prompt_ids)
+        return out
+
+    def _admit(self, request: Request) -> bool:
+        """Moves the first waiting request to running with its slots; False when too few are free."""
+        slots = self.slots.allocate(request.slots_needed)
+        if slots is None:
+            return False
+        self.waiting.popleft()
+        request.slots, request.status = slots, RequestStatus.RUNNING
+        request.scheduled_time = request.scheduled_time or time.monotonic()  # a preempted request keeps its first
+        self.running[request.request_id] = request
+        return True
+
+    def _begin_step(self) -> SchedulerOutput:
+        """The step's plan with its aborted and timed-out requests (finished now)."""
+        out = SchedulerOutput()
+        for request_id in self._abort_requested:
+            request = self.running.get(request_id) or next((r for r in self.waiting if r.request_id == request_id), None)
+            if request is not None:
+                self.finish(request, "abort")
+                out.aborted.append(request)
+        self._abort_requested.clear()
+        out.timed_out = self._expire(time.monotonic())
         return out
 
     def _expire(self, now: float) -> list[Request]:
@@ -139,11 +158,120 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             del self.running[request.request_id]
-            self.slots.free(request.slots)
-            request.slots = []
+            self._release(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
+
+    def _release(self, request: Request) -> None:
+        """Frees what a running request holds."""
+        self.slots.free(request.slots)
+        request.slots = []
 
     @property
     def kv_usage(self) -> float:
         """Fraction of cache rows in use."""
         return 1.0 - self.slots.num_free / self.slots.n_slots
+
+
+class BlockScheduler(Scheduler):
+    """Paged KV for decoder-only models (vLLM's v1 scheduler): each step has a budget of
+    max_num_batched_tokens tokens; running decodes are scheduled first, then running prompts'
+    next chunks, then waiting requests, admitted by free blocks (after their cached prefix) while
+    fewer than n_slots sequences run. A request whose next blocks cannot be had preempts the
+    latest-admitted running request (blocks freed, tokens kept, back to the front of the queue:
+    recomputed when readmitted). Requests are never reordered otherwise: first come, first served.
+
+    A request computes tokens [num_computed_tokens, + num_tokens) of prompt_ids + output_ids; the
+    engine advances num_computed_tokens after the step (`advance`). Its full blocks are registered
+    in the prefix cache when scheduled: a step writes every new key before any sequence reads one,
+    so a request admitted in the same step (n > 1, one system prompt) shares them at once."""
+
+    def __init__(
+        self,
+        blocks: KVBlockManager,
+        n_slots: int,
+        max_waiting: int,
+        max_num_batched_tokens: int,
+        policy: BatchingPolicy = "continuous",
+        queue_timeout_s: float | None = None,
+        request_timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(n_slots, max_waiting, max_num_batched_tokens, policy, queue_timeout_s, request_timeout_s)
+        self.blocks = blocks
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._begin_step()
+        budget = self.max_prefill_tokens
+        # Running requests: decodes first (one token each), then prompts in progress.
+        order = list(self.running.values())
+        for prompts in (False, True):
+            for r in order:
+                remaining = len(r.prompt_ids) + len(r.output_ids) - r.num_computed_tokens
+                if (remaining > 1) != prompts or r.request_id in out.num_tokens or r.finished or r.request_id not in self.running:
+                    continue
+                n = min(remaining, budget)
+                if n == 0 or not self._make_room(r, n, out):
+                    continue
+                out.num_tokens[r.request_id] = n
+                (out.prefill if prompts else out.decode).append(r)
+                budget -= n
+            budget = self.max_prefill_tokens - sum(out.num_tokens.values())  # preemptions may have given some back
+        if self.policy == "static" and self.running:
+            return self._register(out)
+        while self.waiting and budget > 0 and self.slots.num_free > 0:
+            r = self.waiting[0]
+            tokens = r.token_ids
+            cached = self.blocks.cached_prefix(r.request_id, tokens) if r.params.prompt_logprobs is None else 0
+            n = min(len(tokens) - cached, budget)
+            if not self.blocks.allocate(r.request_id, cached + n) or not self._admit(r):
+                self.blocks.release(r.request_id)
+                break
+            self.blocks.stats.queries += len(tokens)
+            self.blocks.stats.hits += cached
+            r.num_computed_tokens = cached
+            out.num_tokens[r.request_id] = n
+            out.prefill.append(r)
+            budget -= n
+        return self._register(out)
+
+    def _make_room(self, r: Request, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for r's next n tokens, preempting the latest-admitted running requests (r itself
+        last) until they are free; False when r was preempted."""
+        while not self.blocks.allocate(r.request_id, r.num_computed_tokens + n):
+            victim = next(reversed(self.running.values()))
+            self._preempt(victim, out)
+            if victim is r:
+                return False
+        return True
+
+    def _preempt(self, r: Request, out: SchedulerOutput) -> None:
+        del self.running[r.request_id]
+        self._release(r)
+        if r.request_id in out.num_tokens:  # scheduled earlier in this step: unscheduled
+            del out.num_tokens[r.request_id]
+            out.decode = [d for d in out.decode if d is not r]
+            out.prefill = [p for p in out.prefill if p is not r]
+        r.status, r.num_computed_tokens, r.prompt_logprobs_so_far = RequestStatus.WAITING, 0, []
+        r.preemptions += 1
+        self.waiting.appendleft(r)
+        out.preempted.append(r)
+
+    def _register(self, out: SchedulerOutput) -> SchedulerOutput:
+        for r in out.prefill + out.decode:
+            self.blocks.cache_blocks(r.request_id, r.token_ids, r.num_computed_tokens + out.num_tokens[r.request_id])
+            out.block_tables[r.request_id] = list(self.blocks.table(r.request_id))
+        return out
+
+    def advance(self, plan: SchedulerOutput) -> None:
+        """After a step: the scheduled tokens of the requests still running are computed."""
+        for r in plan.prefill + plan.decode:
+            if not r.finished:
+                r.num_computed_tokens += plan.num_tokens[r.request_id]
+
+    def _release(self, request: Request) -> None:
+        super()._release(request)
+        self.blocks.release(request.request_id)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks held by running requests."""
+        return self.blocks.usage

@@ -5,7 +5,10 @@ tests/engine run where those are not installed: the GPU check (benchmarks/gpu.py
 
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from torch import Tensor
 
 from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
 from model.generator import Generator
@@ -50,6 +53,7 @@ class FakeRunner:
     max_len: int = 1100
     max_prompt_len: int = 100
     strip_leading_space: bool = False
+    kv_pool: None = None  # a row per slot: the engine's slot scheduler
     fail_on: set[str] = field(default_factory=set)  # request ids whose step raises
     executed: list[SchedulerOutput] = field(default_factory=list)
     step_seconds: float = 0.0  # simulated model time per step, added to `clock`
@@ -119,3 +123,16 @@ def run(engine: Engine, arrivals: dict[int, list[Request]], max_steps: int = 500
 
 
 PROMPTS = [[5, 9, 13, 7], [40], [8, 8, 8, 8, 8, 8, 8, 8, 8], [21, 33], [60, 4, 17]]
+
+
+def assert_equal_up_to_a_tie(got: list[int], expected: list[int], logits_after: Callable[[list[int]], Tensor], tie: float) -> None:
+    """got equals expected (each ends with the same eos, or none), or leaves it at a near-tie:
+    where they first differ, logits_after(the common prefix) (V,) scores both choices within tie."""
+    first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    if first is None:
+        assert got == expected  # one may not stop before the other without choosing differently
+        return
+    logits = logits_after(expected[:first])
+    # Not signed: the translator's expected tokens come from a padded batch, logits_after from one row.
+    gap = abs(float(logits[expected[first]] - logits[got[first]]))
+    assert gap <= tie, f"token {first}: {got[first]} chosen over {expected[first]}, recomputed logits {gap:.6f} apart"

@@ -28,23 +28,10 @@ from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
-from tests.engine.helpers import run
+from tests.engine.helpers import assert_equal_up_to_a_tie, run
 
 WEIGHTS: list[WeightType] = [torch.float32, "int8"]
 TIE: dict[WeightType, float] = {torch.float32: 1e-4, "int8": 0.1}  # logits closer than this are a tie
-
-
-def assert_equal_up_to_a_tie(got: list[int], expected: list[int], logits_after: Callable[[list[int]], Tensor], tie: float) -> None:
-    """got equals expected (each ends with the same eos, or none), or leaves it at a near-tie:
-    where they first differ, logits_after(the common prefix) (V,) scores both choices within tie."""
-    first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
-    if first is None:
-        assert got == expected  # one may not stop before the other without choosing differently
-        return
-    logits = logits_after(expected[:first])
-    # Not signed: the translator's expected tokens come from a padded batch, logits_after from one row.
-    gap = abs(float(logits[expected[first]] - logits[got[first]]))
-    assert gap <= tie, f"token {first}: {got[first]} chosen over {expected[first]}, recomputed logits {gap:.6f} apart"
 
 
 def on_device(device: str, weights: WeightType) -> str:

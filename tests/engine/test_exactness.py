@@ -22,7 +22,8 @@ from tests.engine.helpers import PROMPTS, FakeTokenizer, context_sensitive_gener
 def generator_engine(n_slots: int = 8, device: str = "cpu") -> Engine:
     """On CUDA the runner decodes through its CUDA graphs (its default there)."""
     model = context_sensitive_generator(device)
-    return Engine(GeneratorRunner(model, FakeTokenizer(), n_slots), EngineConfig(n_slots=n_slots))  # type: ignore[arg-type]
+    config = EngineConfig(n_slots=n_slots)
+    return Engine(GeneratorRunner(model, FakeTokenizer(), config), config)  # type: ignore[arg-type]
 
 
 def translator_engine(n_slots: int = 16, device: str = "cpu", fixed_shape_decode: bool | None = None) -> Engine:

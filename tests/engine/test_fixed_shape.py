@@ -12,19 +12,20 @@ import torch
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
-from model.kv_cache import LayerCaches
+from model.kv_cache import LayerCaches, PagedKVCache
 from model.sampling import GREEDY
 from model.tokenizer import EOS_ID
 from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
-from service.engine.fixed_shape import StepShape, bucket, buckets
+from service.engine.fixed_shape import PagedFed, StepShape, bucket, buckets
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner, TranslatorRunner
 from tests.engine.helpers import PROMPTS, FakeTokenizer, context_sensitive_generator, run
 
 N_SLOTS = 9  # batch buckets 1, 2, 4, 8, 9
 CONTEXT = 300  # key-length buckets 64, 128, 256, 300
+BLOCK_SIZE = EngineConfig().block_size
 # Highest slot + 1 at and just past each batch bucket; furthest position + 1 at and just past each key bucket.
 BATCHES = [1, 2, 3, 4, 5, 8, 9]
 LENGTHS = [1, 64, 65, 128, 129, 256, 257, 300]
@@ -70,7 +71,7 @@ def tiny_translator() -> Translator:
     return Translator(dataclasses.replace(TranslatorConfig.preset("tiny"), max_len=CONTEXT)).eval()
 
 
-def fill(caches: list[LayerCaches]) -> None:
+def fill(caches: list[LayerCaches] | list[PagedKVCache]) -> None:
     """The same random keys and values in every cache of the list (all of one shape)."""
     for tensors in zip(*[c.keys + c.values for c in caches], strict=True):
         noise = torch.randn_like(tensors[0])
@@ -81,12 +82,17 @@ def fill(caches: list[LayerCaches]) -> None:
 def generator_runners(model: Generator | None = None) -> tuple[GeneratorRunner, GeneratorRunner]:
     """(fixed-shape, dynamic) runners of one model, their caches holding the same random keys."""
     model = model or tiny_generator()
-    fixed, dynamic = (
-        GeneratorRunner(model, FakeTokenizer(), N_SLOTS, fixed_shape_decode=f, max_context=CONTEXT)  # type: ignore[arg-type]
-        for f in (True, False)
-    )
+    config = EngineConfig(n_slots=N_SLOTS, max_context=CONTEXT)
+    fixed, dynamic = (GeneratorRunner(model, FakeTokenizer(), config, fixed_shape_decode=f) for f in (True, False))  # type: ignore[arg-type]
     fill([fixed.cache, dynamic.cache])
     return fixed, dynamic
+
+
+def with_tables(fed: dict[int, tuple[int, int]]) -> PagedFed:
+    """fed with each slot's block table: slot s owns blocks s * n + 1 ... (n per whole context),
+    listed up to its position's block, backwards (a table is any order of blocks)."""
+    n = -(-CONTEXT // BLOCK_SIZE)
+    return {s: (t, p, [s * n + n - j for j in range(p // BLOCK_SIZE + 1)]) for s, (t, p) in fed.items()}
 
 
 def fed_for(batch: int, length: int) -> dict[int, tuple[int, int]]:
@@ -111,7 +117,7 @@ def test_bucketed_generator_step_equals_the_dynamic_step_at_every_bucket_boundar
     assert fixed.fixed_shape is not None and dynamic.fixed_shape is None
     for batch in BATCHES:
         for length in LENGTHS:
-            fed = fed_for(batch, length)
+            fed = with_tables(fed_for(batch, length))
             expected = dynamic.decode_logits(fed)  # (R, V)
             got = fixed.decode_logits(fed)
             assert_same_logits(got, expected, f"batch {batch}, length {length}")
@@ -148,7 +154,8 @@ def test_bucketed_translator_step_equals_the_dynamic_step_at_every_bucket_bounda
 def generated(fixed_shape: bool, device: str = "cpu", model: Generator | None = None) -> dict[str, list[int]]:
     """Greedy requests joining at steps 0 and 3 into 6 slots; some run past position 64 (a key bucket)."""
     model = copy.deepcopy(model or context_sensitive_generator()).to(device)  # the shared one stays on the CPU
-    engine = Engine(GeneratorRunner(model, FakeTokenizer(), n_slots=6, fixed_shape_decode=fixed_shape), EngineConfig(n_slots=6))  # type: ignore[arg-type]
+    config = EngineConfig(n_slots=6)
+    engine = Engine(GeneratorRunner(model, FakeTokenizer(), config, fixed_shape_decode=fixed_shape), config)  # type: ignore[arg-type]
     requests = [Request(f"r{i}", p, GenerationParams(sampling=GREEDY, max_tokens=8 + 15 * i)) for i, p in enumerate(PROMPTS)]
     return run(engine, {0: requests[:2], 3: requests[2:]})
 
@@ -195,11 +202,12 @@ def test_cuda_graph_decode_equals_eager_decode_on_gpu() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graphs_are_captured_by_bucket_and_only_for_the_shapes_used() -> None:
-    runner = GeneratorRunner(tiny_generator().to("cuda"), FakeTokenizer(), N_SLOTS, max_context=CONTEXT)  # type: ignore[arg-type]
+    config = EngineConfig(n_slots=N_SLOTS, max_context=CONTEXT)
+    runner = GeneratorRunner(tiny_generator().to("cuda"), FakeTokenizer(), config)  # type: ignore[arg-type]
     assert runner.fixed_shape is not None and runner.fixed_shape.capture
     with torch.inference_mode():
         for fed in ({0: (5, 3)}, {0: (5, 4)}, {2: (5, 70)}):
-            runner.decode_logits(fed)
+            runner.decode_logits(with_tables(fed))
     assert set(runner.fixed_shape.graphs) == {StepShape(1, 64, 0), StepShape(4, 128, 0)}
 
 

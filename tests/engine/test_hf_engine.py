@@ -126,7 +126,8 @@ def test_llama_folder_in_the_engine_answers_and_scores_as_transformers(tmp_path:
     tokenizer, hf = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
     model, ours = load_checkpoint(folder)
     assert isinstance(model, Generator) and model.config.kv_heads == 2
-    engine = Engine(GeneratorRunner(model, ours, n_slots=8, fixed_shape_decode=fixed_shape), EngineConfig(n_slots=8))
+    config = EngineConfig(n_slots=8)
+    engine = Engine(GeneratorRunner(model, ours, config, fixed_shape_decode=fixed_shape), config)
     prompts = [engine.runner.encode_prompt(t) for t in texts]
     assert prompts == [tokenizer(t)["input_ids"] for t in texts]  # with its bos
     params = GenerationParams(max_tokens=20, sampling=GREEDY, logprobs=2)

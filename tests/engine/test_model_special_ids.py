@@ -23,7 +23,7 @@ from model.reference_decoding import generate_greedy_uncached, greedy_translate_
 from model.sampling import GREEDY, SamplingParams
 from model.translate import greedy_translate, pad_batch
 from model.translator import Translator
-from service.engine.config import DEFAULT_MAX_CONTEXT, EngineConfig
+from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError
 from service.engine.request import GenerationParams, Request
@@ -97,19 +97,26 @@ def generator(**changes: Any) -> Generator:
 
 def favour(model: Translator | Generator, token: int, amount: float = 100.0) -> Callable[[], None]:
     """Adds amount to token's logit at every output of the model (a translator's decode, a
-    generator's forward); returns the undo."""
+    generator's forward and ragged step); returns the undo."""
     bias = torch.zeros(model.config.vocab_size)
     bias[token] = amount
-    if isinstance(model, Generator):
-        handle = model.register_forward_hook(lambda module, args, logits: logits + bias)
-        return handle.remove
-    decode = model.decode
+    names = ["forward_ragged"] if isinstance(model, Generator) else ["decode"]
+    handle = model.register_forward_hook(lambda module, args, logits: logits + bias) if isinstance(model, Generator) else None
+    for name in names:
+        original = getattr(model, name)
 
-    def biased(*args: object, **kwargs: object) -> Tensor:
-        return decode(*args, **kwargs) + bias  # type: ignore[arg-type]
+        def biased(*args: object, original: Callable[..., Tensor] = original, **kwargs: object) -> Tensor:
+            return original(*args, **kwargs) + bias
 
-    model.decode = biased  # type: ignore[method-assign]
-    return lambda: delattr(model, "decode")
+        setattr(model, name, biased)
+
+    def undo() -> None:
+        for name in names:
+            delattr(model, name)
+        if handle is not None:
+            handle.remove()
+
+    return undo
 
 
 @dataclass
@@ -138,8 +145,8 @@ def translator_engine(model: Translator, n_slots: int = 16, max_context: int | N
 
 
 def generator_engine(model: Generator, fixed_shape: bool = False, n_slots: int = 8, max_context: int | None = None) -> Engine:
-    runner = GeneratorRunner(model, tokenizer_for(model), n_slots, fixed_shape_decode=fixed_shape, max_context=max_context)
-    return Engine(runner, EngineConfig(n_slots=n_slots, max_context=max_context))
+    config = EngineConfig(n_slots=n_slots, max_context=max_context)
+    return Engine(GeneratorRunner(model, tokenizer_for(model), config, fixed_shape_decode=fixed_shape), config)
 
 
 def greedy(n: int) -> GenerationParams:
@@ -255,14 +262,14 @@ def test_the_models_eos_ends_a_sequence_and_ours_is_an_ordinary_token() -> None:
 def test_the_context_limit_sizes_the_caches_and_refuses_longer_prompts() -> None:
     gen, model = generator(), translator()  # both of 64 positions
     for make in (lambda m: generator_engine(gen, max_context=m).runner, lambda m: translator_engine(model, max_context=m).runner):
-        assert make(32).kv_cache_bytes == 2 * make(16).kv_cache_bytes
-        assert make(None).kv_cache_bytes == make(64).kv_cache_bytes  # the default: the model's positions, up to 1024
+        assert make(48).kv_cache_bytes > make(16).kv_cache_bytes  # rows (translator) or the default pool (n_slots contexts)
+        assert make(None).max_len == 64 and make(None).kv_cache_bytes == make(64).kv_cache_bytes  # the default: the model's positions
         with pytest.raises(ValueError, match="max_context"):
             make(65)
 
     engine = generator_engine(gen, max_context=16)
     engine.add_request(Request("fits", list(range(20, 35)), greedy(1)))  # 15 tokens and one generated
-    with pytest.raises(InvalidRequestError, match="limit is 15"):
+    with pytest.raises(InvalidRequestError, match=r"maximum context length is 16 tokens\. However, your request has 16 input tokens"):
         engine.add_request(Request("long", list(range(20, 36)), greedy(1)))
     with pytest.raises(InvalidRequestError):
         engine.add_request(Request("too many", list(range(20, 35)), greedy(2)))
@@ -271,7 +278,7 @@ def test_the_context_limit_sizes_the_caches_and_refuses_longer_prompts() -> None
 
     engine = translator_engine(model, max_context=16)
     engine.add_request(Request("fits", [*range(20, 35), 0], greedy(15)))  # 16 source tokens, 15 target tokens
-    with pytest.raises(InvalidRequestError, match="limit is 16"):
+    with pytest.raises(InvalidRequestError, match=r"17 input tokens \(at most 16\)"):
         engine.add_request(Request("long", [*range(20, 36), 0], greedy(1)))
     with pytest.raises(InvalidRequestError):
         engine.add_request(Request("too many", [20, 0], greedy(16)))
@@ -279,8 +286,8 @@ def test_the_context_limit_sizes_the_caches_and_refuses_longer_prompts() -> None
     with pytest.raises(ValueError, match="max_context"):
         EngineConfig(max_context=1)
     long = generator(max_len=2048)  # as a GPT-NeoX folder's max_position_embeddings
-    assert generator_engine(long, n_slots=1).runner.max_prompt_len == DEFAULT_MAX_CONTEXT - 1
-    assert generator_engine(long, n_slots=1, max_context=2048).runner.max_prompt_len == 2047  # asked for
+    assert generator_engine(long, n_slots=1).runner.max_prompt_len == 2047  # the whole context by default
+    assert generator_engine(long, n_slots=1, max_context=1024).runner.max_prompt_len == 1023  # asked for
     served = Engine.from_checkpoint(DEFAULT_GENERATOR, EngineConfig(n_slots=2, max_context=32))
     assert served.runner.max_prompt_len == 31 and served.max_tokens_limit(10) == 22
 

@@ -133,7 +133,7 @@ def test_abort_while_running_frees_the_slot_at_the_next_step_and_leaves_others_u
 
 
 def test_prefill_token_budget_spreads_admissions_over_steps() -> None:
-    engine = Engine(FakeRunner(), EngineConfig(n_slots=8, max_prefill_tokens=6))
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=8, max_num_batched_tokens=6))
     for i in range(3):
         engine.add_request(request(f"r{i}", [10 * (i + 1), 9, 9, 9]))  # 4 prompt tokens each
     engine.step()
