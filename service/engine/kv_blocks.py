@@ -86,7 +86,7 @@ class KVBlockManager:
     def cached_prefix(self, seq_id: str, tokens: list[int]) -> int:
         """Takes, for a sequence holding no blocks, the cached blocks of the longest cached prefix
         of tokens (at most len(tokens) - 1 tokens: the last one is computed for its logits) and
-        returns how many tokens they hold. Counts the lookup in stats."""
+        returns how many tokens they hold. (The scheduler counts admitted lookups in stats.)"""
         assert seq_id not in self.sequences or not self.sequences[seq_id].table, "a sequence looks its prefix up before it holds blocks"
         seq = self.sequences.setdefault(seq_id, SequenceBlocks())
         if not self.prefix_caching:
@@ -102,10 +102,7 @@ class KVBlockManager:
             self.ref_count[block] += 1
             seq.table.append(block)
         seq.cached = len(seq.table)
-        hit = len(seq.table) * self.block_size
-        self.stats.queries += len(tokens)
-        self.stats.hits += hit
-        return hit
+        return len(seq.table) * self.block_size
 
     def allocate(self, seq_id: str, total_tokens: int) -> bool:
         """Grows the sequence's table to hold total_tokens; False (and nothing taken) when too few
@@ -120,6 +117,10 @@ class KVBlockManager:
             self.ref_count[block] = 1
             seq.table.append(block)
         return True
+
+    def fills_new_blocks(self, seq_id: str, computed: int) -> bool:
+        """Whether `computed` tokens fill a block of the sequence not yet registered (cache_blocks has work)."""
+        return self.prefix_caching and computed // self.block_size > self.sequences[seq_id].cached
 
     def cache_blocks(self, seq_id: str, tokens: list[int], computed: int) -> None:
         """Registers the sequence's blocks that `computed` of tokens fill (computed, or being

@@ -216,7 +216,9 @@ class BlockScheduler(Scheduler):
                 budget -= n
             budget = self.max_prefill_tokens - sum(out.num_tokens.values())  # preemptions may have given some back
         if self.policy == "static" and self.running:
-            return self._register(out)
+            for r in out.decode + out.prefill:
+                self._register(r, out)
+            return out
         while self.waiting and budget > 0 and self.slots.num_free > 0:
             r = self.waiting[0]
             tokens = r.token_ids
@@ -231,7 +233,11 @@ class BlockScheduler(Scheduler):
             out.num_tokens[r.request_id] = n
             out.prefill.append(r)
             budget -= n
-        return self._register(out)
+            self._register(r, out)  # now: a request admitted after it in this step (n > 1) shares its blocks
+        for r in out.decode + out.prefill:
+            if r.request_id not in out.block_tables:
+                self._register(r, out)  # running ones once nothing more can be preempted
+        return out
 
     def _make_room(self, r: Request, n: int, out: SchedulerOutput) -> bool:
         """Blocks for r's next n tokens, preempting the latest-admitted running requests (r itself
@@ -255,11 +261,12 @@ class BlockScheduler(Scheduler):
         self.waiting.appendleft(r)
         out.preempted.append(r)
 
-    def _register(self, out: SchedulerOutput) -> SchedulerOutput:
-        for r in out.prefill + out.decode:
-            self.blocks.cache_blocks(r.request_id, r.token_ids, r.num_computed_tokens + out.num_tokens[r.request_id])
-            out.block_tables[r.request_id] = list(self.blocks.table(r.request_id))
-        return out
+    def _register(self, r: Request, out: SchedulerOutput) -> None:
+        """Caches the blocks r's scheduled tokens fill and records its block table in the plan."""
+        computed = r.num_computed_tokens + out.num_tokens[r.request_id]
+        if self.blocks.fills_new_blocks(r.request_id, computed):
+            self.blocks.cache_blocks(r.request_id, r.token_ids, computed)
+        out.block_tables[r.request_id] = list(self.blocks.table(r.request_id))
 
     def advance(self, plan: SchedulerOutput) -> None:
         """After a step: the scheduled tokens of the requests still running are computed."""

@@ -218,3 +218,27 @@ def test_the_models_whole_context_is_served_by_default(tmp_path: Path) -> None:
         engine.add_request(Request("too long", [5] * 8192, GenerationParams(max_tokens=1)))
     with pytest.raises(InvalidRequestError, match=r"you requested 8200 tokens \(8000 in the input, 200 in the completion\)"):
         engine.add_request(Request("too many", prompt, GenerationParams(max_tokens=200)))
+
+
+@torch.inference_mode()
+def test_requests_with_one_prompt_in_one_step_compute_it_once(llama: tuple[Path, Generator, TextTokenizer]) -> None:
+    """n > 1 (the API sends one request per choice): the second is admitted in the same step and
+    reads the first's blocks, written in that step; both answer as one alone does."""
+    _, model, tokenizer = llama
+    config = EngineConfig(n_slots=8)
+    engine = Engine(GeneratorRunner(model, tokenizer, config), config)
+    prompt = engine.runner.encode_prompt(SYSTEM + TEXTS[0])
+    params = GenerationParams(max_tokens=12, sampling=GREEDY, logprobs=0)
+    reports: list[StepReport] = []
+    engine.on_step = reports.append
+    together = deltas_of(engine, {0: [Request("a", prompt, params), Request("b", prompt, params)]})
+    block = config.block_size
+    assert reports[0].prefix_cache_queries == 2 * len(prompt)
+    assert reports[0].prefix_cache_hits == (len(prompt) - 1) // block * block  # b: every full block but the one with the last token
+    assert reports[0].prefill_tokens == 2 * len(prompt) - reports[0].prefix_cache_hits
+    alone = deltas_of(Engine(GeneratorRunner(model, tokenizer, config), config), {0: [Request("c", prompt, params)]})["c"]
+    for deltas in together.values():
+        assert tokens_of(deltas) == tokens_of(alone)
+        assert [s.logprob for d in deltas for s in d.logprobs or []] == pytest.approx(
+            [s.logprob for d in alone for s in d.logprobs or []], abs=1e-5
+        )
