@@ -40,17 +40,21 @@ class SamplingParams:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Sets logits outside the top-k / top-p nucleus to -inf. logits: (V,) already divided by temperature."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # the most likely token always stays
-        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-    return logits
+def filter_logits(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Rows of logits (S, V), already divided by their temperature, with the tokens outside each
+    row's top-k (0: all) and top-p nucleus at -inf; the most likely token always stays. Batched:
+    one sort for every row, and none when no row filters."""
+    V = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)  # (S,)
+    if bool((k == V).all()) and bool((top_p >= 1.0).all()):
+        return logits
+    ordered, order = logits.sort(dim=-1, descending=True)  # (S, V)
+    outside = torch.arange(V, device=logits.device)[None] >= k[:, None]  # (S, V): past the row's top-k
+    ordered = ordered.masked_fill(outside, float("-inf"))
+    probs = ordered.softmax(-1)
+    nucleus = top_p[:, None] < 1.0  # rows that filter by mass (at 1.0 rounding must not drop the tail)
+    outside |= nucleus & (probs.cumsum(-1) - probs >= top_p[:, None])  # until the mass before a token reaches top_p
+    return logits.masked_fill(outside.scatter(1, order, outside), float("-inf"))
 
 
 def adjust_logits(logits: Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> Tensor:
@@ -83,19 +87,28 @@ def suppress(logits: Tensor, index: Tensor | None) -> Tensor:
 
 
 def sample_next(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
-    """One next token per row. logits: (B, V) -> (B,) token ids.
+    """One next token per row. logits: (B, V) -> (B,) token ids, on the logits' device.
 
+    Greedy rows by one argmax; the sampled rows together: temperature, top-k and top-p as batched
+    tensor operations, then one uniform draw per row from its own generator (a seeded row draws
+    the same whatever shares its batch), inverted through the row's cumulative probabilities.
     NaN or infinite logits (a poisoned row) fall back to the row's argmax of the finite values.
     """
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     tokens = logits.argmax(-1)  # (B,)
-    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            continue
-        filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
-        probs = filtered.softmax(-1)
-        if not bool(torch.isfinite(probs).all()):
-            continue
-        # Draw on the CPU generator so the same seed gives the same token on every device.
-        tokens[row] = torch.multinomial(probs.cpu(), 1, generator=generator).to(tokens.device)[0]
-    return tokens
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    temperature = torch.tensor([params[i].temperature for i in rows], device=device)
+    top_k = torch.tensor([params[i].top_k for i in rows], device=device)
+    top_p = torch.tensor([params[i].top_p for i in rows], device=device)
+    probs = filter_logits(logits.index_select(0, index) / temperature[:, None], top_k, top_p).softmax(-1)  # (S, V)
+    # Draws on the CPU generators, so the same seed gives the same token on every device.
+    uniform = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(device)  # (S,)
+    cumulative = probs.cumsum(-1)  # (S, V)
+    drawn = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    drawn = torch.where(probs.gather(1, drawn[:, None])[:, 0] > 0, drawn, probs.argmax(-1))  # never a token of probability 0
+    finite = torch.isfinite(probs).all(-1)  # (S,)
+    return tokens.index_put((index,), torch.where(finite, drawn, tokens.index_select(0, index)))
