@@ -123,15 +123,18 @@ class MultiHeadAttention(nn.Module):
         """x: (B, T, d_model) queries. key_value: projected keys/values for cross-attention
         (from `project_key_value`); None means self-attention over x (and the cache, if given).
         rope: (cos, sin) at the query positions, (B, 1, T, R), applied to self-attention queries and keys.
-        The cache holds Hkv heads; a PagedLayer (a ragged step's, model/kv_cache.py) takes the keys
-        and attends each sequence over its own, x then being the step's tokens (1, N, d_model).
+        The cache holds Hkv heads; a PagedLayer (a paged step's, model/kv_cache.py) takes the keys
+        and attends each sequence over its own: x's B x T tokens are the step's, row by row (a
+        ragged step's (1, N, d_model), or one token per row (R, 1, d_model)).
         Returns (B, T, d_model) and the weights (B, H, T, S) when asked for.
         """
         B, T, _ = x.shape
-        if isinstance(cache, PagedLayer):  # a ragged step (B = 1, T = its tokens): keys from the blocks
-            q, k, v = self._project_self(x, rope)
-            out = cache.attend(q, k, v).transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (1, N, H D)
-            return self.out_proj(out), None
+        if isinstance(cache, PagedLayer):  # a paged step: its B x T tokens flattened (row by row), keys from the blocks
+            q, k, v = (
+                t.transpose(0, 1).reshape(1, t.shape[1], B * T, self.head_dim) for t in self._project_self(x, rope)
+            )  # (1, heads, N, D)
+            out = cache.attend(q, k, v)[0].view(self.n_heads, B, T, self.head_dim).permute(1, 2, 0, 3)  # (B, T, H, D)
+            return self.out_proj(out.reshape(B, T, self.n_heads * self.head_dim)), None
         if key_value is None:
             q, k, v = self._project_self(x, rope)  # (B, H, T, D), (B, Hkv, T, D) twice
             if cache is not None:

@@ -95,8 +95,3 @@ class Generator(nn.Module):
             x = layer(x, None, rope, cache)
         head = self.output_projection if self.output_projection is not None else self.lm_head
         return project_logits(self.final_norm(x[0].index_select(0, logit_rows))[None], self.embed, head)[0]  # (R, V)
-
-    @property
-    def alibi_slopes(self) -> Tensor | None:
-        """(H,) ALiBi's slopes when the model uses ALiBi, for ragged steps' masks."""
-        return self.positions.slopes if self.positions.kind == "alibi" else None

@@ -161,6 +161,11 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    def copy_blocks(self, src: Tensor, dst: Tensor) -> None:
+        """Block dst[i] becomes a copy of block src[i] in every layer (a forked beam's last block)."""
+        for pool in self.keys + self.values:
+            pool.index_copy_(0, dst.to(pool.device), pool.index_select(0, src.to(pool.device)))
+
     def layers(self, step: "RaggedStep") -> list["PagedLayer"]:
         return [PagedLayer(k, v, step) for k, v in zip(self.keys, self.values, strict=True)]
 

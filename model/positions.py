@@ -141,6 +141,11 @@ class PositionEncoder(nn.Module):
         else:
             raise ValueError(f"unknown positional encoding {kind!r}")
 
+    @property
+    def alibi_slopes(self) -> Tensor | None:
+        """(H,) ALiBi's slopes when this encoder applies ALiBi (for paged steps' masks), else None."""
+        return self.slopes if self.kind == "alibi" else None
+
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         """x: (B, T, d_model) token embeddings; positions: (B, T)."""
         return x + self.table[positions] if self.kind == "sinusoidal" else x

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from model.attention import MultiHeadAttention, SelfAttentionCache
 from model.config import TranslatorConfig
+from model.kv_cache import PagedLayer
 from model.layers import DecoderLayer, EncoderLayer, project_logits
 from model.masks import padding_mask
 from model.positions import PositionEncoder
@@ -85,7 +86,7 @@ class Translator(nn.Module):
         memory_kv: list[tuple[Tensor, Tensor]],
         src_mask: Tensor,
         positions: Tensor | None = None,
-        caches: Sequence[SelfAttentionCache] | None = None,
+        caches: Sequence[SelfAttentionCache] | Sequence[PagedLayer] | None = None,
         cache_length: int = 0,
         memory_group: int = 1,
     ) -> Tensor:
@@ -93,11 +94,18 @@ class Translator(nn.Module):
 
         tgt_ids: (B, T) starting with bos. memory_kv from `cross_key_values`; src_mask (B, 1, 1, S).
         Without caches the whole prefix is given; with caches, tgt_ids are the new tokens at
-        `positions` (B, T) and keys come from the caches (cache_length keys each). With
+        `positions` (B, T) and keys come from the caches (cache_length keys each; a paged step's
+        PagedLayers know their own). With
         memory_group k, every k consecutive rows share one source: memory_kv and src_mask then
         hold B / k rows, one per group (a sentence's beams).
         """
-        positions, self_mask, rope = self.positions.causal_self_attention(tgt_ids, positions, cache_length if caches is not None else None)
+        if caches is not None and isinstance(caches[0], PagedLayer):  # paged: the layers' own masks
+            assert positions is not None, "a paged step gives its positions"
+            self_mask, rope = None, self.positions.rope(positions)
+        else:
+            positions, self_mask, rope = self.positions.causal_self_attention(
+                tgt_ids, positions, cache_length if caches is not None else None
+            )
         x = self._embed(tgt_ids, positions)
         for i, layer in enumerate(self.decoder_layers):
             cache = caches[i] if caches is not None else None

@@ -72,7 +72,14 @@ class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
         self.runner = runner
         self.config = config
-        limits = (config.max_waiting, config.max_num_batched_tokens, config.policy, config.queue_timeout_s, config.request_timeout_s)
+        limits = (
+            config.max_waiting,
+            config.max_num_batched_tokens,
+            config.policy,
+            config.queue_timeout_s,
+            config.request_timeout_s,
+            runner.release,
+        )
         pool = runner.kv_pool
         self.blocks = None if pool is None else KVBlockManager(pool.num_blocks, pool.block_size, pool.prefix_caching, pool.salt)
         self.scheduler = Scheduler(config.n_slots, *limits) if self.blocks is None else BlockScheduler(self.blocks, config.n_slots, *limits)

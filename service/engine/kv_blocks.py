@@ -152,6 +152,31 @@ class KVBlockManager:
             if self.ref_count[block] == 0:
                 self.free[block] = None
 
+    def fork(self, pairs: list[tuple[str, str]], tokens: int) -> list[tuple[int, int]]:
+        """Beam search's reordering: each (parent, child) child's table becomes its parent's first
+        `tokens` tokens, the full blocks shared (never written again: sequences only append) and
+        the last partial block a new one; returns the (parent's block, new block) pairs whose
+        contents the caller copies. Every parent is read before any child's old blocks go back,
+        so a row may be one pair's parent and another's child. Needs a free block per pair."""
+        full, partial = divmod(tokens, self.block_size)
+        tables, copies = {}, []
+        for parent, child in pairs:
+            source = self.sequences[parent].table
+            table = source[:full]
+            for block in table:
+                self.ref_count[block] += 1
+            if partial:
+                block, _ = self.free.popitem(last=False)
+                self._evict(block)
+                self.ref_count[block] = 1
+                table.append(block)
+                copies.append((source[full], block))
+            tables[child] = table
+        for child, table in tables.items():
+            self.release(child)
+            self.sequences[child] = SequenceBlocks(table)
+        return copies
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (after a failed step, whose blocks may hold half-written keys)."""
         self.block_of_hash.clear()

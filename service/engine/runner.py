@@ -11,15 +11,18 @@ from torch import Tensor
 
 from model.beam_search import BeamState, Hypothesis, step_beams
 from model.generator import Generator
-from model.kv_cache import CrossAttentionCache, KVCache, PagedKVCache, ragged_step
+from model.kv_cache import CrossAttentionCache, PagedKVCache, ragged_step
 from model.sampling import adjust_logits, sample_next, suppress, suppressed_index
 from model.tokenizer import TextTokenizer
 from model.translate import max_new_tokens_for, pad_batch
 from model.translator import Translator
 from service.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, TokenLogprob, serving_context
-from service.engine.fixed_shape import Fed, GeneratorDecoder, PagedFed, TranslatorDecoder
+from service.engine.fixed_shape import GeneratorDecoder, PagedFed, TranslatorDecoder
+from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Request
 from service.engine.scheduler import SchedulerOutput
+
+Fed = dict[int, tuple[int, int]]  # slot -> (token, position) of every sequence of a translator's step
 
 
 @dataclass
@@ -65,6 +68,10 @@ class ModelRunner(Protocol):
     @property
     def kv_pool(self) -> "KVPool | None":
         """Paged KV (the engine then schedules by blocks), or None: a cache row per slot."""
+
+    def release(self, slots: list[int]) -> None:
+        """A request's slots are free (it finished, or was aborted or preempted): what the runner
+        keeps for them goes back now."""
 
 
 def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) -> list[int]:
@@ -186,6 +193,9 @@ class GeneratorRunner:
     def kv_cache_bytes(self) -> int:
         return self.cache.nbytes
 
+    def release(self, slots: list[int]) -> None:
+        """Nothing to do: a sequence's blocks are the scheduler's (the engine's KVBlockManager)."""
+
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """Computes plan.num_tokens[r] tokens of each scheduled request from its
@@ -213,7 +223,7 @@ class GeneratorRunner:
             ids = torch.tensor([i for t, s, n in zip(tokens, starts, counts, strict=True) for i in t[s : s + n]], device=self.device)
             positions = torch.tensor([p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)], device=self.device)
             tables = [plan.block_tables[r.request_id] for r in requests]
-            step = ragged_step(counts, starts, tables, self.cache.block_size, self.device, self.model.alibi_slopes)
+            step = ragged_step(counts, starts, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
             logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits = self.model.forward_ragged(ids, positions, self.cache.layers(step), logit_rows)  # (len(rows), V)
         suppress(logits, self.suppressed)
@@ -252,32 +262,11 @@ class GeneratorRunner:
         if self.fixed_shape is not None:
             return self.fixed_shape(fed)
         ids_list, positions_list, tables = (list(column) for column in zip(*fed.values(), strict=True))
-        step = ragged_step([1] * len(fed), positions_list, tables, self.cache.block_size, self.device, self.model.alibi_slopes)
+        step = ragged_step([1] * len(fed), positions_list, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
         ids = torch.tensor(ids_list, device=self.device)
         positions = torch.tensor(positions_list, device=self.device)
         rows = torch.arange(len(fed), device=self.device)
         return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    """The cache rows one decode step runs and what each row is fed."""
-
-    rows: list[int]  # from decode_rows
-    row_of: dict[int, int]  # slot -> its row's index in the step's batch
-    ids: Tensor  # (R, 1) each row's token; idle rows the model's pad
-    positions: Tensor  # (R, 1) where it goes; idle rows the last position, which every sequence writes before it reads it
-    length: int  # keys attended over: the furthest position + 1
-
-
-def decode_step(fed: dict[int, tuple[int, int]], max_len: int, pad_id: int, device: torch.device) -> DecodeStep:
-    """fed: slot -> (token, position) of every sequence running this step; max_len: the cache's length."""
-    rows = decode_rows(list(fed))
-    idle = (pad_id, max_len - 1)
-    ids = torch.tensor([[fed.get(s, idle)[0]] for s in rows], device=device)  # (R, 1)
-    positions = torch.tensor([[fed.get(s, idle)[1]] for s in rows], device=device)  # (R, 1)
-    length = max(position for _, position in fed.values()) + 1
-    return DecodeStep(rows, {s: i for i, s in enumerate(rows)}, ids, positions, length)
 
 
 def beam_group(slots_of_requests: list[list[int]], rows: list[int]) -> int:
@@ -317,23 +306,29 @@ class TranslatorRunner:
         n_slots: int,
         max_context: int | None = None,
         fixed_shape_decode: bool | None = None,
+        block_size: int = EngineConfig.block_size,
     ) -> None:
         """max_context: EngineConfig.max_context (None: its default), the length of the source
-        (cross-attention) and target caches. fixed_shape_decode: as GeneratorRunner's."""
+        (cross-attention) and target caches. fixed_shape_decode: as GeneratorRunner's. The
+        decoder's self-attention keys are paged (blocks of block_size tokens, a pool that holds
+        every slot's whole context and a block per slot for beam forks, so that a step never
+        waits for one); a beam that continues another shares its full blocks and copies its last."""
         c = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         n_layers = len(model.decoder_layers)
         self.max_len = serving_context(max_context, c.max_len)
-        self.cache = KVCache(n_layers, n_slots, c.n_heads, self.max_len, c.head_dim, self.device, dtype)
+        num_blocks = n_slots * (-(-self.max_len // block_size) + 1) + 1  # + the null block
+        self.cache = PagedKVCache(n_layers, num_blocks, block_size, c.n_heads, c.head_dim, self.device, dtype)
+        self.blocks = KVBlockManager(num_blocks, block_size, prefix_caching=False)  # a sequence per slot (its id: str(slot))
         self.cross_cache = CrossAttentionCache(n_layers, n_slots, c.n_heads, self.max_len, c.head_dim, self.device, dtype)
         self.max_prompt_len = self.max_len
         self.start_id, self.eos_id, self.pad_id = c.start_id, c.eos_id, c.pad_id
         self.eos_ids = frozenset(c.eos_ids)
         self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
-        self.kv_pool = None  # cache rows per slot (the source's cross-attention keys with each)
+        self.kv_pool = None  # admission by slots (a beam a slot): the pool always holds them
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
         capture = self.device.type == "cuda"
@@ -351,6 +346,11 @@ class TranslatorRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.cache.nbytes + self.cross_cache.nbytes
+
+    def release(self, slots: list[int]) -> None:
+        """The slots' decoder blocks go back to the pool."""
+        for slot in slots:
+            self.blocks.release(str(slot))
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -379,8 +379,8 @@ class TranslatorRunner:
         return [s[-1] if s else self.start_id for s in sequences]
 
     def _decode(self, requests: list[Request], output: RunnerOutput) -> None:
-        """One decoder step for every running sequence (each beam a row), then beams are reordered
-        with one copy of the written prefix for all rows of the step that take another row's cache."""
+        """One decoder step for every running sequence (each beam a row), then beams are reordered:
+        a row that continues another row's beam takes its blocks (block_table fork)."""
         fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
         logits = self.decode_logits(fed, [r.slots for r in requests], max(len(r.prompt_ids) for r in requests))  # (R, V)
         suppress(logits, self.suppressed)  # once for the step's beams and streamed rows alike
@@ -391,17 +391,15 @@ class TranslatorRunner:
             beam_rows = torch.tensor([row_of[s] for r in beams for s in r.slots], device=self.device)
             log_probs = F.log_softmax(logits.index_select(0, beam_rows).float(), dim=-1)  # (sum of K, V)
             states = [r.beams for r in beams if r.beams is not None]
-            sources, targets = [], []
+            copies = []
             for r, state, (parents, _) in zip(beams, states, step_beams(states, log_probs), strict=True):
-                for beam, parent in enumerate(parents):
-                    if parent != beam:  # this row takes its parent's cache; a row that continues itself keeps its own
-                        sources.append(r.slots[parent])
-                        targets.append(r.slots[beam])
+                # A row that continues itself keeps its blocks; one that continues another's beam takes its.
+                pairs = [(str(r.slots[parent]), str(r.slots[beam])) for beam, parent in enumerate(parents) if parent != beam]
+                copies += self.blocks.fork(pairs, fed[r.slots[0]][1] + 1)
                 if state.done:
                     output.hypotheses[r.request_id] = state.best(r.params.n_best)
-            if sources:
-                written = max(position for _, position in fed.values()) + 1
-                self.cache.copy_slots(torch.tensor(sources, device=self.device), torch.tensor(targets, device=self.device), written)
+            if copies:
+                self.cache.copy_blocks(torch.tensor([a for a, _ in copies]), torch.tensor([b for _, b in copies]))
         if streamed:
             streamed_rows = torch.tensor([row_of[r.slots[0]] for r in streamed], device=self.device)
             sampled = _sample(logits.index_select(0, streamed_rows), streamed, self.eos_ids)
@@ -409,19 +407,27 @@ class TranslatorRunner:
 
     def decode_logits(self, fed: Fed, slots_of_requests: list[list[int]], source_length: int) -> Tensor:
         """Next-token logits (R, V) of one decoder step, a row per sequence of fed (slot -> (token,
-        position)) in its order, suppressed ids not yet applied; source_length: the longest source.
-        The fixed-shape step, or the dynamic one: it runs the span of cache rows `decode_rows`
-        picks, idle rows included (as the generator's), so the caches are read through views, and
-        when the rows are aligned blocks of one beam width (`beam_group`, from each request's
-        slots), a sentence's beams read its cross-attention keys once."""
+        position); blocks allocated to hold it) in its order, suppressed ids not yet applied; source_length:
+        the longest source. The fixed-shape step, or the dynamic one: it runs the span of rows
+        `decode_rows` picks, idle rows included (at position 0 of the null block), so the cross
+        cache is read through views, and when the rows are aligned blocks of one beam width
+        (`beam_group`, from each request's slots), a sentence's beams read its source keys once."""
+        for slot, (_, position) in fed.items():
+            assert self.blocks.allocate(str(slot), position + 1), "the pool holds every slot's whole context"
+        paged = {slot: (token, position, self.blocks.table(str(slot))) for slot, (token, position) in fed.items()}
         if self.fixed_shape is not None:
-            return self.fixed_shape(fed, source_length)
-        step = decode_step(fed, self.max_len, self.pad_id, self.device)
-        group = beam_group(slots_of_requests, step.rows)  # rows sharing a source: read its keys once
-        memory_kv, src_mask = self.cross_cache.read(step.rows[::group], source_length)
-        views = self.cache.views(step.rows, step.positions, step.length)
-        logits = self.model.decode(step.ids, memory_kv, src_mask, step.positions, views, step.length, group)[:, -1]  # (rows, V)
-        return logits.index_select(0, torch.tensor([step.row_of[s] for s in fed], device=self.device))
+            return self.fixed_shape(paged, source_length)
+        rows = decode_rows(list(fed))
+        group = beam_group(slots_of_requests, rows)  # rows sharing a source: read its keys once
+        memory_kv, src_mask = self.cross_cache.read(rows[::group], source_length)
+        idle: tuple[int, int, list[int]] = (self.pad_id, 0, [])
+        ids, positions, tables = (list(column) for column in zip(*(paged.get(row, idle) for row in rows), strict=True))
+        step = ragged_step([1] * len(rows), positions, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
+        layers = self.cache.layers(step)
+        ids_tensor = torch.tensor(ids, device=self.device)[:, None]  # (rows, 1)
+        positions_tensor = torch.tensor(positions, device=self.device)[:, None]
+        logits = self.model.decode(ids_tensor, memory_kv, src_mask, positions_tensor, layers, 0, group)[:, -1]  # (rows, V)
+        return logits.index_select(0, torch.tensor([rows.index(s) for s in fed], device=self.device))
 
     @staticmethod
     def _step_of(r: Request) -> int:
@@ -431,5 +437,5 @@ class TranslatorRunner:
 
 def runner_for(model: Translator | Generator, tokenizer: TextTokenizer, config: EngineConfig) -> ModelRunner:
     if isinstance(model, Translator):
-        return TranslatorRunner(model, tokenizer, config.n_slots, config.max_context)
+        return TranslatorRunner(model, tokenizer, config.n_slots, config.max_context, block_size=config.block_size)
     return GeneratorRunner(model, tokenizer, config)

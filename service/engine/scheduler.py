@@ -3,6 +3,7 @@ and, for paged KV (BlockScheduler), a block manager and a per-step token budget.
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from service.engine.config import BatchingPolicy, FinishReason
@@ -73,9 +74,11 @@ class Scheduler:
         policy: BatchingPolicy = "continuous",
         queue_timeout_s: float | None = None,
         request_timeout_s: float | None = None,
+        on_release: Callable[[list[int]], None] | None = None,
     ) -> None:
         """queue_timeout_s: the longest a request may wait for admission; request_timeout_s: the
-        longest from arrival to its last token. Past either, it ends with reason "timeout"."""
+        longest from arrival to its last token. Past either, it ends with reason "timeout".
+        on_release: told a running request's slots as they are freed (the runner's release)."""
         self.slots = SlotAllocator(n_slots)
         self.max_waiting = max_waiting
         self.max_prefill_tokens = max_prefill_tokens
@@ -84,6 +87,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self._abort_requested: set[str] = set()
+        self.on_release = on_release
 
     @property
     def has_work(self) -> bool:
@@ -163,6 +167,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Frees what a running request holds."""
+        if self.on_release is not None:
+            self.on_release(request.slots)
         self.slots.free(request.slots)
         request.slots = []
 
@@ -194,8 +200,9 @@ class BlockScheduler(Scheduler):
         policy: BatchingPolicy = "continuous",
         queue_timeout_s: float | None = None,
         request_timeout_s: float | None = None,
+        on_release: Callable[[list[int]], None] | None = None,
     ) -> None:
-        super().__init__(n_slots, max_waiting, max_num_batched_tokens, policy, queue_timeout_s, request_timeout_s)
+        super().__init__(n_slots, max_waiting, max_num_batched_tokens, policy, queue_timeout_s, request_timeout_s, on_release)
         self.blocks = blocks
 
     def schedule(self) -> SchedulerOutput:

@@ -76,6 +76,9 @@ class FakeRunner:
     def kv_cache_bytes(self) -> int:
         return 0
 
+    def release(self, slots: list[int]) -> None:
+        """Nothing is kept per slot."""
+
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if self.steps is not None:
             self.steps.acquire()

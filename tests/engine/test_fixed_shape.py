@@ -50,10 +50,10 @@ def test_bucket_is_the_smallest_that_holds_the_size() -> None:
 def test_a_step_takes_the_bucket_of_its_highest_slot_and_furthest_position() -> None:
     decoder = generator_runners()[0].fixed_shape
     assert decoder is not None
-    assert decoder.shape_for({0: (5, 0)}) == StepShape(1, 64, 0)
-    assert decoder.shape_for({4: (5, 63), 1: (5, 3)}) == StepShape(8, 64, 0)  # slot 4: 5 rows
-    assert decoder.shape_for({3: (5, 64)}) == StepShape(4, 128, 0)
-    assert decoder.shape_for({8: (5, 299), 0: (5, 1)}) == StepShape(9, 300, 0)
+    assert decoder.shape_for(with_tables({0: (5, 0)})) == StepShape(1, 64, 0)
+    assert decoder.shape_for(with_tables({4: (5, 63), 1: (5, 3)})) == StepShape(8, 64, 0)  # slot 4: 5 rows
+    assert decoder.shape_for(with_tables({3: (5, 64)})) == StepShape(4, 128, 0)
+    assert decoder.shape_for(with_tables({8: (5, 299), 0: (5, 1)})) == StepShape(9, 300, 0)
 
 
 def tiny_generator() -> Generator:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from model.checkpoint import load_checkpoint
+from model.checkpoint import DEFAULT_TRANSLATOR, load_checkpoint
 from model.generator import Generator
 from model.kv_cache import PagedKVCache
 from model.sampling import GREEDY
@@ -20,7 +20,7 @@ from service.engine.engine import Engine, StepReport
 from service.engine.errors import InvalidRequestError
 from service.engine.kv_blocks import NULL_BLOCK, KVBlockManager, block_hashes
 from service.engine.request import Delta, GenerationParams, Request
-from service.engine.runner import GeneratorRunner
+from service.engine.runner import GeneratorRunner, TranslatorRunner
 from tests.engine.helpers import assert_equal_up_to_a_tie, deltas_of
 from tests.hf_folders import build_llama_folder
 
@@ -108,6 +108,23 @@ def test_freed_cached_blocks_are_evicted_least_recently_freed_first_tail_first()
     assert manager.cached_prefix("a again", [1, 2, 3, 4, 5, 6, 0]) == 4  # a's first two blocks still cached
     assert manager.cached_prefix("b again", [7, 8, 9, 10, 11, 12, 0]) == 6
     assert_consistent(manager)
+
+
+def test_a_beam_fork_shares_full_blocks_copies_the_last_and_swaps_rows_safely() -> None:
+    manager = KVBlockManager(num_blocks=12, block_size=4)
+    for seq in ("0", "1"):
+        assert manager.allocate(seq, 10)  # 3 blocks each: two full, one holding 2 tokens
+    a, b = list(manager.table("0")), list(manager.table("1"))
+    copies = manager.fork([("0", "1"), ("1", "0")], tokens=10)  # the two rows swap beams
+    assert manager.table("1")[:2] == a[:2] and manager.table("0")[:2] == b[:2]  # full blocks shared, not copied
+    assert copies == [(a[2], manager.table("1")[2]), (b[2], manager.table("0")[2])]  # each last block copied into a new one
+    assert_consistent(manager)
+    copies = manager.fork([("0", "1")], tokens=8)  # at a block boundary: nothing to copy
+    assert copies == [] and manager.table("1") == manager.table("0")[:2] and manager.ref_count[manager.table("0")[0]] == 2
+    assert_consistent(manager)
+    manager.release("0")
+    manager.release("1")
+    assert manager.num_free == manager.num_blocks - 1
 
 
 # --- The engine on a Llama folder: every fast path against transformers and against the plain run ---
@@ -242,3 +259,20 @@ def test_requests_with_one_prompt_in_one_step_compute_it_once(llama: tuple[Path,
         assert [s.logprob for d in deltas for s in d.logprobs or []] == pytest.approx(
             [s.logprob for d in alone for s in d.logprobs or []], abs=1e-5
         )
+
+
+@torch.inference_mode()
+def test_the_translators_beams_return_every_block_when_they_end() -> None:
+    """Beam search on the translator's paged decoder: forks share blocks; every block is back once
+    the requests end (greedy beside beams, arriving at two steps)."""
+    engine = Engine.from_checkpoint(DEFAULT_TRANSLATOR, EngineConfig(n_slots=16))
+    runner = engine.runner
+    assert isinstance(runner, TranslatorRunner)
+    beams = GenerationParams(sampling=GREEDY, beam_size=4, n_best=2)
+    sources = [runner.encode_prompt(t) for t in ("A man rides a bike.", "Two dogs play in the snow.", "A girl reads a book.")]
+    requests = [Request(str(i), s, beams) for i, s in enumerate(sources)] + [
+        Request("greedy", sources[0], GenerationParams(sampling=GREEDY))
+    ]
+    finals = deltas_of(engine, {0: requests[:2], 1: requests[2:]})
+    assert all(deltas[-1].finish_reason in ("stop", "length") for deltas in finals.values())
+    assert runner.blocks.num_free == runner.blocks.num_blocks - 1 and not runner.blocks.sequences
