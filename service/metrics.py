@@ -135,6 +135,7 @@ class ServingMetrics:
             self.kv_blocks_total.set(report.kv_blocks_total)
         if report.prefix_cache_queries:
             self.prefix_queries.inc(report.prefix_cache_queries)
+        if report.prefix_cache_hits:  # Ray's counters refuse an increment of 0
             self.prefix_hits.inc(report.prefix_cache_hits)
         if report.preemptions:
             self.preemptions.inc(report.preemptions)

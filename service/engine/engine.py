@@ -212,7 +212,10 @@ class Engine:
             self.counters.batch_size_sum += plan.batch_size
             self.counters.max_batch_size = max(self.counters.max_batch_size, plan.batch_size)
         if self.on_step is not None:
-            self.on_step(report)
+            try:
+                self.on_step(report)
+            except Exception:  # a metrics failure must not lose the step's deltas
+                log.exception("on_step raised; the step's output is delivered regardless")
 
     @staticmethod
     def _token_timing(r: Request, now: float, tokens: int, report: StepReport) -> None:

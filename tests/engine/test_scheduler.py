@@ -68,6 +68,22 @@ def test_outputs_and_finish_reasons() -> None:
     assert engine.scheduler.slots.num_free == 4
 
 
+def test_a_failing_step_observer_loses_no_delta() -> None:
+    """on_step (the replica's metrics) raising must not cost the step its output."""
+    engine = Engine(FakeRunner(), EngineConfig(n_slots=4))
+    calls: list[int] = []
+
+    def failing(report: object) -> None:
+        calls.append(1)
+        raise ValueError("value must be >0, got 0")
+
+    engine.on_step = failing
+    engine.add_request(request("eos", [10, 3]))
+    streams = run_to_end(engine)
+    assert "".join(d.text for d in streams["eos"]) == "w11 w12 w13 " and streams["eos"][-1].finish_reason == "stop"
+    assert len(calls) >= 3
+
+
 def test_ignore_eos_goes_on_to_max_tokens_and_min_tokens_is_checked() -> None:
     engine = Engine(FakeRunner(), EngineConfig(n_slots=4))
     engine.add_request(Request("ignoring", [10, 3], GenerationParams(max_tokens=6, ignore_eos=True)))
