@@ -7,6 +7,7 @@ import itertools
 import os
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +19,14 @@ from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 # The project's data, read where it is (never copied into the repository); SERVING_DATA names
 # another folder of the same layout, e.g. a copy carried to a GPU machine (benchmarks/gpu.py).
 SHARED_DATA = Path(os.environ.get("SERVING_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
-# The generator's validation: VALIDATION_STRETCHES runs of whole speeches, together about
-# VALIDATION_FRACTION of train.txt, centred at evenly spaced points; training text stays
-# VALIDATION_MARGIN characters (rounded out to whole speeches) away from each stretch.
+# The generator's validation: whole plays of train.txt (shakespeare_split). Plays are found from the
+# cast (see shakespeare_plays): CAST_WINDOW characters of speech headings compared on either side of
+# each named speech, a play at least MIN_PLAY characters long, a boundary where the two casts share
+# at most CAST_CHANGE of their speeches. The held-out plays total at least VALIDATION_FRACTION.
 VALIDATION_FRACTION = 0.1
-VALIDATION_STRETCHES = 10
-VALIDATION_MARGIN = 512
+CAST_WINDOW = 60_000
+MIN_PLAY = 20_000
+CAST_CHANGE = 0.05
 
 
 def read_lines(path: Path) -> list[str]:
@@ -42,22 +45,25 @@ Span = tuple[int, int]  # character offsets [begin, end)
 
 @dataclass(frozen=True)
 class ShakespeareSplit:
-    """Disjoint character spans of one text: validation stretches in text order (even-numbered in
-    half A, odd-numbered in half B) and the training segments between them."""
+    """Disjoint character spans of one text: its plays, the held-out plays in text order (half A
+    the one from the first half of the plays, half B the one from the second half) and the training
+    segments, the text of every other play (adjacent plays joined into one segment)."""
 
+    plays: list[Span]
     validation: list[Span]
     training: list[Span]
 
     def half(self, name: str) -> list[Span]:
-        """The stretches of half "A" or "B"."""
+        """The held-out plays of half "A" or "B"."""
         return self.validation[{"A": 0, "B": 1}[name] :: 2]
 
     def describe(self) -> dict[str, object]:
         """The split as training.json records it."""
         return {
-            "rule": f"{len(self.validation)} stretches of whole speeches (blank-line separated), {VALIDATION_FRACTION:.0%} "
-            f"of the text in all, centred at evenly spaced points; training text kept {VALIDATION_MARGIN} characters "
-            "(rounded out to whole speeches) away; half A the even-numbered stretches, half B the odd-numbered",
+            "rule": f"whole plays held out: of the {len(self.plays)} plays found from the cast (model.data.shakespeare_plays), "
+            f"one from the first half of the plays (half A) and one from the second half (half B), the pair with the fewest "
+            f"characters that reaches {VALIDATION_FRACTION:.0%} of the text; training on every other play",
+            "plays": [list(s) for s in self.plays],
             "validation_spans": [list(s) for s in self.validation],
             "training_spans": [list(s) for s in self.training],
             "validation_characters": sum(e - b for b, e in self.validation),
@@ -70,40 +76,94 @@ def speech_starts(text: str) -> list[int]:
     return [0] + [m.end() for m in re.finditer(r"\n\n+", text) if m.end() < len(text)] + [len(text)]
 
 
-def shakespeare_split(
-    text: str, stretches: int = VALIDATION_STRETCHES, fraction: float = VALIDATION_FRACTION, margin: int = VALIDATION_MARGIN
-) -> ShakespeareSplit:
-    """The validation stretches and training segments of text; a function of the text alone.
+def named_speeches(text: str) -> tuple[list[int], list[str]]:
+    """(offsets, names) of the speeches whose heading is a name in capitals ("GLOUCESTER:",
+    "KING RICHARD III:"); generic roles ("First Citizen:", "Messenger:") are written in title
+    case and recur in play after play, so they are left out."""
+    offsets, names = [], []
+    for start in speech_starts(text)[:-1]:
+        line_end = text.find("\n", start)
+        heading = text[start : line_end if line_end >= 0 else len(text)]
+        if heading.endswith(":") and heading[:-1].isupper():
+            offsets.append(start)
+            names.append(heading[:-1])
+    return offsets, names
 
-    Stretch i starts at the first speech start at or after the point (i + 1/2) * len / stretches
-    less half a stretch, and ends at the first speech start fraction * len / stretches later.
-    ValueError if the stretches and margins do not fit apart (too short a text).
+
+def cast_overlaps(text: str, window: int = CAST_WINDOW) -> list[tuple[int, float]]:
+    """For each named speech but the first: (its offset, how much the casts of the window characters
+    before it and after it (it included) share), the share being the sum over names of the smaller
+    of the name's fractions of the named speeches on each side: 0 for two disjoint casts, 1 for the
+    same speakers in the same proportions."""
+    offsets, names = named_speeches(text)
+    before: Counter[str] = Counter()
+    after: Counter[str] = Counter()
+    low = high = 0  # before holds names[low:j], after names[j:high]
+    overlaps = []
+    for j in range(1, len(offsets)):
+        before[names[j - 1]] += 1
+        after[names[j - 1]] -= 1
+        while offsets[low] < offsets[j] - window:
+            before[names[low]] -= 1
+            low += 1
+        while high < len(offsets) and offsets[high] < offsets[j] + window:
+            after[names[high]] += 1
+            high += 1
+        n_before, n_after = j - low, high - j
+        shared = sum(min(count / n_before, after[name] / n_after) for name, count in before.items() if count and after[name])
+        overlaps.append((offsets[j], shared))
+    return overlaps
+
+
+def shakespeare_plays(text: str, window: int = CAST_WINDOW, min_play: int = MIN_PLAY, change: float = CAST_CHANGE) -> list[Span]:
+    """The plays of text, found from who speaks, in text order; together they cover the text.
+
+    A play begins at a named speech (see named_speeches) where the cast changes: the casts of the
+    window characters before and after it share at most `change` (cast_overlaps) and less there
+    than anywhere in the min_play characters before it, and no more than anywhere in the min_play
+    characters after it; a play is at least min_play characters long (no boundary nearer than that
+    to either end of the text). In Tiny Shakespeare's train.txt this finds the 8 plays, each at its
+    first speech (Coriolanus, Richard III, Richard II, Romeo and Juliet, Henry VI part 3, The
+    Winter's Tale, Measure for Measure, the start of The Taming of the Shrew): a 60,000-character
+    window spans a scene with a cast of its own inside a play (Romeo and Juliet's opening brawl of
+    servants, the sixteen years' gap of The Winter's Tale), and the 5% allows a name two adjacent
+    plays share (MONTAGUE in Romeo and Juliet and in Henry VI). Such a name speaking next to the
+    boundary can move it by a speech or two; a play that opens with generic roles only ("First
+    Citizen:") begins at its first named speech.
     """
-    starts = speech_starts(text)
+    overlaps = cast_overlaps(text, window)
+    offsets = [offset for offset, _ in overlaps]
+    boundaries = []
+    for i, (offset, shared) in enumerate(overlaps):
+        if shared > change or offset < min_play or len(text) - offset < min_play:
+            continue
+        earlier = overlaps[bisect.bisect_left(offsets, offset - min_play) : i]
+        later = overlaps[i + 1 : bisect.bisect_right(offsets, offset + min_play)]
+        if all(s > shared for _, s in earlier) and all(s >= shared for _, s in later):
+            boundaries.append(offset)
+    return list(itertools.pairwise([0, *boundaries, len(text)]))
 
-    def at_or_after(offset: float) -> int:
-        return starts[min(bisect.bisect_left(starts, offset), len(starts) - 1)]
 
-    def at_or_before(offset: float) -> int:
-        return starts[max(bisect.bisect_right(starts, offset) - 1, 0)]
+def shakespeare_split(text: str, fraction: float = VALIDATION_FRACTION) -> ShakespeareSplit:
+    """The held-out plays and training segments of text; a function of the text alone.
 
-    size = fraction * len(text) / stretches
-    validation: list[Span] = []
-    for i in range(stretches):
-        begin = at_or_after((i + 0.5) * len(text) / stretches - size / 2)
-        validation.append((begin, at_or_after(begin + size)))
-    training: list[Span] = []
-    previous_end = 0
-    for begin, end in [*validation, (len(text) + margin, len(text) + margin)]:
-        segment = (at_or_after(previous_end + margin) if previous_end else 0, at_or_before(begin - margin))
-        if segment[0] < segment[1]:
-            training.append(segment)
-        previous_end = end
-    spans = sorted(validation + training)
-    overlapping = any(e > b for (_, e), (b, _) in itertools.pairwise(spans))
-    if not training or any(b >= e for b, e in validation) or overlapping:
-        raise ValueError(f"a text of {len(text)} characters is too short for {stretches} separate stretches")
-    return ShakespeareSplit(validation, training)
+    Of the plays of shakespeare_plays, split in text order into a first half and a second half (the
+    second the larger for an odd count), one play from each is held out: the pair with the fewest
+    characters in all that reaches fraction of the text (the earlier pair on a tie), so that the
+    validation is whole plays far apart and training keeps as much text as it can. Training is the
+    rest: every other play, whole. ValueError for fewer than 3 plays, or none that reach fraction.
+    """
+    plays = shakespeare_plays(text)
+    if len(plays) < 3:
+        raise ValueError(f"found {len(plays)} play(s) in a text of {len(text)} characters; whole-play validation needs 3 or more")
+    first, second = plays[: len(plays) // 2], plays[len(plays) // 2 :]
+    pairs = [(p, q) for p in first for q in second if (p[1] - p[0]) + (q[1] - q[0]) >= fraction * len(text)]
+    if not pairs:
+        raise ValueError(f"no two plays of {len(plays)} reach {fraction:.0%} of the text, one from each half")
+    validation = list(min(pairs, key=lambda pair: (sum(e - b for b, e in pair), pair)))
+    edges = [0, *(offset for span in validation for offset in span), len(text)]
+    training = [(b, e) for b, e in zip(edges[0::2], edges[1::2], strict=True) if b < e]
+    return ShakespeareSplit(plays, validation, training)
 
 
 def split_shakespeare(text: str) -> tuple[str, str]:

@@ -6,8 +6,8 @@ python -m model.evaluate generator-validation [--data DIR] [--json FILE] CHECKPO
 python -m model.evaluate generator-snapshots [--json FILE] RUN
 
 generator-validation scores checkpoint folders (a run folder stands for its step-NNNNNN snapshots)
-in nats per character on halves A and B of model.data.shakespeare_split's validation stretches,
-and on all of them; with several checkpoints, the Spearman correlation of their A and B scores.
+in nats per character on halves A and B of model.data.shakespeare_split's held-out plays (one play
+each), and on both; with several checkpoints, the Spearman correlation of their A and B scores.
 generator-snapshots reads the A and B scores a training run recorded at each validation (from its
 newest snapshot's training.json) and gives their Spearman correlation, scoring nothing again.
 """
@@ -142,7 +142,7 @@ def main() -> None:
     lm.add_argument("--checkpoint", default=None)
     for sub in (translate, lm):
         sub.add_argument("--weights", choices=["float32", "int8"], default="float32", help="int8: quantised linear layers (CPU)")
-    validation = commands.add_parser("generator-validation", help="generators on the two halves of the validation stretches")
+    validation = commands.add_parser("generator-validation", help="generators on the two halves of the held-out plays")
     validation.add_argument("checkpoints", nargs="+", help="checkpoint folders, or run folders (their step-NNNNNN snapshots)")
     validation.add_argument("--data", default=str(SHARED_DATA), help="folder holding tinyshakespeare/train.txt")
     snapshots = commands.add_parser("generator-snapshots", help="Spearman of halves A and B over a run's recorded validations")

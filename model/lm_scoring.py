@@ -39,8 +39,8 @@ def stretches_nats_per_char(
 
 
 def halves_nats_per_char(model: Generator, tokenizer: Tokenizer, halves: dict[str, list[str]], device: torch.device) -> dict[str, float]:
-    """stretches_nats_per_char of each half of a validation (its name: its stretches), and of all
-    the stretches together under "all"."""
+    """stretches_nats_per_char of each half of a validation (its name: its texts, e.g. held-out
+    plays), and of all the texts together under "all"."""
     scores = {name: stretches_nats_per_char(model, tokenizer, texts, device) for name, texts in halves.items()}
     nll = sum(s["nll"] for s in scores.values())
     return {**{name: s["nats_per_char"] for name, s in scores.items()}, "all": nll / sum(s["scored_characters"] for s in scores.values())}

@@ -12,13 +12,14 @@ Resumes from <out>/state.pt when it exists; keeps the best checkpoint by validat
 training.json records that folder (path, SHA-256 of its weights, its command) and the schedule.
 --patience N stops once N validations in a row have not improved on the best.
 
-The generator trains on the segments of train.txt that model.data.shakespeare_split leaves between
-its validation stretches (windows never cross a segment's end), and validates on both halves of
-the stretches ("val" is all of them). --schedule cosine-minutes decays over the --minutes budget
-(wall time, validation included, summed over resumes) rather than over --max-steps:
+The generator trains on the plays of train.txt that model.data.shakespeare_split does not hold out
+(windows never cross a segment's end, so no window holds text of a held-out play), and validates on
+both halves of the held-out plays, one play each ("val" is both). --schedule cosine-minutes decays
+over the --minutes budget (wall time, validation included, summed over resumes) rather than over
+--max-steps:
 
-    python -m model.train generator --out runs/gen27 --schedule cosine-minutes --minutes 95 --max-steps 100000 \
-        --eval-every 120 --keep-snapshots 40 --threads 1
+    python -m model.train generator --out runs/gen36a --schedule cosine-minutes --minutes 30 --max-steps 100000 \
+        --eval-every 100 --keep-snapshots 5 --threads 1
 """
 
 import argparse

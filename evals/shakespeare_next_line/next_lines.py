@@ -1,9 +1,9 @@
 """The documents of shakespeare_next_line: which line comes next, from the generator's validation text.
 
-From each validation stretch of model.data.shakespeare_split (text the generator was not trained
-on), DOCUMENTS_PER_STRETCH speeches of three or more lines, chosen with SEED: the context is the
-speaker's line and the speech's first line, the true choice its second line; three distractors are
-lines of other speeches of the same stretch. Every line keeps its newline.
+From each held-out play of model.data.shakespeare_split (text a generator trained on it never saw),
+DOCUMENTS / (number of held-out plays) speeches of three or more lines, chosen with SEED: the
+context is the speaker's line and the speech's first line, the true choice its second line; three
+distractors are lines of other speeches of the same play. Every line keeps its newline.
 """
 
 import random
@@ -14,7 +14,7 @@ import datasets
 
 from model.data import SHARED_DATA, shakespeare_split
 
-DOCUMENTS_PER_STRETCH = 2
+DOCUMENTS = 20
 DISTRACTORS = 3
 SEED = 0
 
@@ -26,9 +26,10 @@ def next_line_documents(data_dir: str = str(SHARED_DATA), **_: object) -> dict[s
     text = (Path(data_dir) / "tinyshakespeare" / "train.txt").read_text(encoding="utf-8")
     rng = random.Random(SEED)
     documents = []
-    for begin, end in shakespeare_split(text).validation:
+    plays = shakespeare_split(text).validation
+    for begin, end in plays:
         speeches = [[line + "\n" for line in speech.split("\n")] for speech in re.split(r"\n\n+", text[begin:end].strip("\n"))]
-        for i in sorted(rng.sample([i for i, lines in enumerate(speeches) if len(lines) >= 3], DOCUMENTS_PER_STRETCH)):
+        for i in sorted(rng.sample([i for i, lines in enumerate(speeches) if len(lines) >= 3], DOCUMENTS // len(plays))):
             speaker, first, second = speeches[i][:3]
             others = sorted({line for j, lines in enumerate(speeches) if j != i for line in lines[1:]} - {second})
             choices = rng.sample(others, DISTRACTORS)

@@ -19,10 +19,10 @@ from model.tokenizer import PAD_ID
 from model.train import Job, generator_job, parse_args, translator_job, warmup_constant_linear_schedule
 from model.translate import translate_sentences
 from model.translator import Translator
+from tests.made_up_plays import plays_text
 
 ENGLISH = ["A man is riding a bike.", "Two dogs play in the snow.", "A woman reads a book in the park.", "Children are running."]
 GERMAN = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest im Park ein Buch.", "Kinder rennen."]
-PLAY = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
 
 
 @pytest.fixture
@@ -34,7 +34,8 @@ def data(tmp_path: Path) -> Path:
             with gzip.open(multi30k / f"{split}.{lang}.gz", "wt", encoding="utf-8") as f:
                 f.write("\n".join(lines * copies) + "\n")
     (tmp_path / "data" / "tinyshakespeare").mkdir()
-    (tmp_path / "data" / "tinyshakespeare" / "train.txt").write_text(PLAY * 400, encoding="utf-8")
+    plays, _ = plays_text([21_000, 22_000, 21_000])  # the whole-play split needs three plays or more
+    (tmp_path / "data" / "tinyshakespeare" / "train.txt").write_text(plays, encoding="utf-8")
     return tmp_path / "data"
 
 

@@ -1,5 +1,5 @@
-"""The generator's validation split (stretches of whole speeches spread through train.txt, kept out
-of the training stream), window sampling inside training segments, and the Spearman helper."""
+"""The generator's validation split (whole plays of train.txt, found from the cast, held out of the
+training stream), window sampling inside training segments, and the Spearman helper."""
 
 import argparse
 import itertools
@@ -12,12 +12,36 @@ import torch
 
 from model import train
 from model.checkpoint import DEFAULT_GENERATOR
-from model.data import SHARED_DATA, VALIDATION_MARGIN, lm_windows, shakespeare_split, speech_starts
+from model.data import SHARED_DATA, lm_windows, shakespeare_plays, shakespeare_split, speech_starts
 from model.evaluate import evaluate_generator_snapshots, ranks, spearman
 from model.train import cosine_minutes_schedule, generator_job, parse_args
+from tests.made_up_plays import plays_text
 
 TRAIN_TXT = SHARED_DATA / "tinyshakespeare" / "train.txt"
 needs_data = pytest.mark.skipif(not TRAIN_TXT.exists(), reason="needs the shared Tiny Shakespeare data")
+
+# Each play of train.txt by its first speech, in text order: Coriolanus, Richard III, Richard II,
+# Romeo and Juliet, Henry VI part 3, The Winter's Tale, Measure for Measure, the Taming of the Shrew.
+FIRST_SPEECHES = [
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "GLOUCESTER:\nNow is the winter of our discontent",
+    "KING RICHARD II:\nOld John of Gaunt, time-honour'd Lancaster,",
+    "SAMPSON:\nGregory, o' my word, we'll not carry coals.",
+    "WARWICK:\nI wonder how the king escaped our hands.",
+    "ARCHIDAMUS:\nIf you shall chance, Camillo, to visit Bohemia,",
+    "DUKE VINCENTIO:\nEscalus.",
+    "SLY:\nI'll pheeze you, in faith.",
+]
+# The last words of each play but the last.
+LAST_WORDS = [
+    "Yet he shall have a noble memory. Assist.\n\n",
+    "That she may long live here, God say amen!\n\n",
+    "In weeping after this untimely bier.\n\n\n",
+    "Than this of Juliet and her Romeo.\n\n",
+    "For here, I hope, begins our lasting joy.\n\n",
+    "We were dissever'd: hastily lead away.\n\n",
+    "What's yet behind, that's meet you all should know.\n\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,38 +57,51 @@ def test_split_is_deterministic(text: str) -> None:
 
 
 @needs_data
-def test_stretches_are_whole_speeches_spread_through_the_text(text: str) -> None:
+def test_the_eight_plays_of_train_txt_are_found_at_their_first_speeches(text: str) -> None:
+    plays = shakespeare_plays(text)
+    assert [text[b:e].startswith(first) for (b, e), first in zip(plays, FIRST_SPEECHES, strict=True)] == [True] * 8
+    assert [text[:b].endswith(last) for (b, _), last in zip(plays[1:], LAST_WORDS, strict=True)] == [True] * 7
+    assert plays[0][0] == 0 and plays[-1][1] == len(text)
+    assert all(end == begin for (_, end), (begin, _) in itertools.pairwise(plays))  # they tile the text
+    assert set(b for b, _ in plays) <= set(speech_starts(text))
+
+
+@needs_data
+def test_validation_is_two_whole_plays_far_apart_at_least_a_tenth_of_the_text(text: str) -> None:
     split = shakespeare_split(text)
-    n = len(split.validation)
-    assert n >= 8
-    starts = set(speech_starts(text))
-    for i, (begin, end) in enumerate(split.validation):
-        assert begin in starts and end in starts  # cut at speech boundaries
-        assert text[begin:end].endswith("\n\n") and text[begin:end].split("\n", 1)[0].endswith(":")  # opens with a speaker
-        assert i * len(text) / n <= begin < end <= (i + 1) * len(text) / n  # one stretch in each n-th of the text
-        assert 0.005 * len(text) < end - begin < 0.02 * len(text)
+    assert split.plays == shakespeare_plays(text)
+    first_half, second_half = split.plays[:4], split.plays[4:]
+    assert len(split.validation) == 2
+    assert split.half("A") == [split.validation[0]] and split.validation[0] in first_half
+    assert split.half("B") == [split.validation[1]] and split.validation[1] in second_half
     total = sum(e - b for b, e in split.validation)
-    assert 0.09 * len(text) < total < 0.12 * len(text)
-    assert split.half("A") == split.validation[0::2] and split.half("B") == split.validation[1::2]
-    assert sorted(split.half("A") + split.half("B")) == split.validation
+    assert total >= 0.1 * len(text)
+    # No pair of plays, one from each half, reaches a tenth of the text with fewer characters.
+    sizes = [(p, q, p[1] - p[0] + q[1] - q[0]) for p in first_half for q in second_half]
+    assert min(size for _, _, size in sizes if size >= 0.1 * len(text)) == total
+    assert split.plays.index(split.validation[1]) - split.plays.index(split.validation[0]) >= 2  # not neighbours
+    # Richard II and the start of the Taming of the Shrew (the play the held-out tail continues).
+    assert [text[b:e].split(":", 1)[0] for b, e in split.validation] == ["KING RICHARD II", "SLY"]
 
 
 @needs_data
-def test_training_keeps_a_margin_from_every_stretch_and_covers_the_rest(text: str) -> None:
+def test_training_is_every_other_play_whole(text: str) -> None:
     split = shakespeare_split(text)
-    spans = sorted([(b, e, "validation") for b, e in split.validation] + [(b, e, "training") for b, e in split.training])
-    for (_, end, kind), (begin, _, next_kind) in itertools.pairwise(spans):
-        assert end <= begin
-        if "validation" in (kind, next_kind):
-            assert begin - end >= VALIDATION_MARGIN
-    assert split.training[0][0] == 0 and split.training[-1][1] == len(text)
-    assert sum(e - b for b, e in split.training) > 0.85 * len(text)
+    held_out = set(split.validation)
+    trained = [p for p in split.plays if p not in held_out]
+    covered = sorted(split.training + split.validation)
+    assert covered[0][0] == 0 and covered[-1][1] == len(text)
+    assert all(end == begin for (_, end), (begin, _) in itertools.pairwise(covered))  # no gap, no overlap
+    # each training segment is a run of whole plays
+    assert [p for b, e in split.training for p in split.plays if b <= p[0] and p[1] <= e] == trained
+    assert sum(e - b for b, e in split.training) == sum(e - b for b, e in trained) > 0.8 * len(text)
 
 
 @needs_data
-def test_no_validation_character_is_in_the_generator_training_stream(text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The segments generator_job samples windows from decode to exactly the training spans, none of
-    which shares a character offset with a validation stretch."""
+def test_no_held_out_character_is_in_the_generator_training_stream(text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The segments generator_job samples windows from (lm_windows keeps every window inside one)
+    decode to exactly the training spans, none of which shares a character offset with a held-out
+    play."""
     seen: list[list[torch.Tensor]] = []
 
     def recorded(
@@ -86,6 +123,38 @@ def test_no_validation_character_is_in_the_generator_training_stream(text: str, 
     assert not validation & training
 
 
+def test_plays_are_found_where_the_cast_changes_even_with_a_name_two_plays_share() -> None:
+    lengths = [30_000, 45_000, 25_000, 36_000, 41_000]
+    for shared_name in (None, "MONTAGUE"):
+        text, starts = plays_text(lengths, shared_name)
+        plays = shakespeare_plays(text)
+        if shared_name is None:
+            assert [b for b, _ in plays] == starts
+        else:  # a shared name's speech next to the boundary can move it by a speech or two, no more
+            assert len(plays) == len(starts)
+            assert all(abs(b - start) <= 400 for (b, _), start in zip(plays, starts, strict=True))
+        split = shakespeare_split(text)
+        # halves: plays 0-1 and 2-4; the lightest pair reaching a tenth: plays 0 and 2
+        assert split.validation == [plays[0], plays[2]]
+        assert split.training == [plays[1], (plays[3][0], len(text))]
+
+
+def test_split_refuses_a_text_of_too_few_plays() -> None:
+    one_play, _ = plays_text([100_000])
+    assert shakespeare_plays(one_play) == [(0, len(one_play))]
+    with pytest.raises(ValueError, match="3 or more"):
+        shakespeare_split(one_play)
+    two_plays, _ = plays_text([50_000, 50_000])
+    with pytest.raises(ValueError, match="3 or more"):
+        shakespeare_split(two_plays)
+    three, _ = plays_text([21_000, 70_000, 21_000])
+    first, middle, last = shakespeare_plays(three)
+    assert shakespeare_split(three).validation == [first, last]  # 37% of the text, the lighter pair
+    assert shakespeare_split(three, fraction=0.5).validation == [first, middle]
+    with pytest.raises(ValueError, match="reach 90%"):  # the heaviest pair holds 81% of the text
+        shakespeare_split(three, fraction=0.9)
+
+
 def test_windows_stay_inside_one_segment() -> None:
     segments = [torch.arange(0, 10), torch.arange(100, 103), torch.arange(200, 230)]  # the middle one is too short
     x, y = lm_windows(segments, block=8, batch_size=500, generator=torch.Generator().manual_seed(0))
@@ -95,13 +164,6 @@ def test_windows_stay_inside_one_segment() -> None:
     assert torch.equal(y[:, :-1], x[:, 1:])
     with pytest.raises(ValueError, match="no segment"):
         lm_windows(segments[1:2], block=8, batch_size=1, generator=torch.Generator())
-
-
-def test_split_refuses_a_text_too_short_to_keep_stretches_apart() -> None:
-    play = "ROMEO:\nBut soft, what light through yonder window breaks?\n\n"
-    with pytest.raises(ValueError, match="too short"):
-        shakespeare_split(play * 40)
-    assert len(shakespeare_split(play * 1000).validation) == 10
 
 
 def test_spearman_on_known_cases() -> None:
@@ -144,8 +206,8 @@ def test_cosine_minutes_schedule_follows_the_time_spent() -> None:
 def test_patience_stops_a_run_that_no_longer_improves(tmp_path: Path) -> None:
     data = tmp_path / "data"
     (data / "tinyshakespeare").mkdir(parents=True)
-    play = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
-    (data / "tinyshakespeare" / "train.txt").write_text(play * 400, encoding="utf-8")
+    plays, _ = plays_text([21_000, 22_000, 21_000])
+    (data / "tinyshakespeare" / "train.txt").write_text(plays, encoding="utf-8")
     argv = ["generator", "--init-from", str(DEFAULT_GENERATOR), "--data", str(data), "--out", str(tmp_path / "run")]
     argv += ["--lr", "0", "--max-steps", "10", "--eval-every", "1", "--patience", "1", "--batch-size", "2"]
     job = generator_job(parse_args(argv))

@@ -23,7 +23,7 @@ TOLERANCE = 1e-4  # float32 on both sides; the service's packed linear layers ad
 
 
 def unseen_text() -> str:
-    """600 characters of the validation stretch (under the generator's 256-token context)."""
+    """The first 600 characters of the held-out plays (under the generator's 256-token context)."""
     _, validation = split_shakespeare((SHARED_DATA / "tinyshakespeare" / "train.txt").read_text(encoding="utf-8"))
     return validation[:600]
 
