@@ -419,6 +419,58 @@ def generator_validation() -> str:
     return table(header, rows) + f"\n\nSpearman of the halves' rankings: {spearman}."
 
 
+def generator_validation_plays() -> str:
+    """docs/training.md: the generators on the whole-play validation (issue 36), its halves, and what was shipped."""
+    data = result("generator_validation_plays")
+    halves = data["validation"]["halves"]
+    rows = [[r["name"], f"{r['A']:.4f}", f"{r['B']:.4f}", f"{r['all']:.4f}", r["trained_on"]] for r in data["checkpoints"]]
+    header = [
+        "generator (nats/char)",
+        f"half A: {halves['A']['play']}",
+        f"half B: {halves['B']['play']}",
+        "both plays",
+        "trained on the held-out plays",
+    ]
+    spearman = ", ".join(f"{name.replace('_', ' ')} {value:.2f}" for name, value in data["spearman_A_B"].items())
+    shipped = data["shipped"]
+    return table(header, rows) + f"\n\nSpearman of the halves' rankings: {spearman}. Shipped: {shipped['what']}."
+
+
+def figure(value: float | None, digits: int = 0) -> str:
+    """A measured figure, '-' when there is none (nothing completed, or the system did not run)."""
+    return "-" if value is None else num(value, digits)
+
+
+def both(figures: dict[str, dict[str, Any]], key: str, digits: int = 0) -> str:
+    """'vLLM's / ours' of one figure of a vs_vllm scenario."""
+    return " / ".join(figure(figures.get(system, {}).get(key), digits) for system in ("vllm", "ours"))
+
+
+def vs_vllm() -> str:
+    """docs/performance.md: ours against vLLM's CPU build, scenario by scenario, with the ratios
+    ours / vLLM (the stall check: the streams' longest gap, and the long prompt's first token)."""
+    data = result("vs_vllm")
+    rows = []
+    for scenario in data["scenarios"].values():
+        figures, ratios = scenario["figures"], scenario["ratios"]
+        stall = any("longest_gap_ms" in f for f in figures.values())
+        measure, first = ("longest_gap", "long_prompt_ttft") if stall else ("output_tok_s", "ttft_p50")
+        rows.append(
+            [
+                scenario["label"],
+                f"longest gap {both(figures, 'longest_gap_ms')} ms" if stall else both(figures, "output_tok_s", 1),
+                f"**{figure(ratios.get(measure), 2)}**",
+                f"long prompt {both(figures, 'long_prompt_ttft_ms')}" if stall else both(figures, "ttft_p50_ms"),
+                f"**{figure(ratios.get(first), 2)}**",
+                "" if stall else both(figures, "ttft_p99_ms"),
+                f"{both(figures, 'failed')} of {max(f['requests'] for f in figures.values())}",
+            ]
+        )
+    header = ["work", "output tok/s, vLLM / ours", "ours / vLLM", "TTFT p50 ms, vLLM / ours", "ours / vLLM", "TTFT p99 ms", "failed"]
+    run = f"commit `{data['commit']}`, {data['vllm']}, {data['model']}, {data['machine']}, {num(data['seconds'])} s in all"
+    return table(header, rows) + f"\n\nMeasured by `python -m benchmarks.vs_vllm --json` ({run})."
+
+
 REPORTS: dict[str, Callable[[], str]] = {
     "headline": headline,
     "speed": speed,
@@ -427,6 +479,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "peers": peers,
     "peers-targets": peers_targets,
     "peers-history": peers_history,
+    "vs-vllm": vs_vllm,
     "serving": serving,
     "front-door": front_door,
     "overload": overload,
@@ -436,6 +489,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "scaling": scaling,
     "scores": scores,
     "generator-validation": generator_validation,
+    "generator-validation-plays": generator_validation_plays,
 }
 
 

