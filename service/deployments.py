@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from model.chat_template import ChatTemplateError
 from model.checkpoint import WeightType
 from model.sampling import SamplingParams
 from model.tokenizer import TextTokenizer
@@ -146,14 +147,17 @@ class ModelDeployment:
     def _prompt_ids(self, text: str, messages: tuple[ChatMessage, ...] | None, add_special_tokens: bool = True) -> list[int]:
         """A prompt's ids: text as the engine reads a prompt (with the special tokens the model's
         tokenizer adds, when add_special_tokens), or a chat rendered by the model's template
-        (InvalidRequestError when it has none) and encoded as it is."""
+        (InvalidRequestError when it has none, or when it refuses the messages) and encoded as it is."""
         if messages is None:
             return self.runner.encode_prompt(text) if add_special_tokens else self.runner.tokenizer.encode(text)
         render = getattr(self.runner.tokenizer, "render_chat", None)
         template = getattr(self.runner.tokenizer, "chat_template", None)
         if render is None or template is None:
             raise InvalidRequestError(f"the model {self.config.name} has no chat template; use /v1/completions", "messages")
-        rendered: str = render([{"role": role, "content": content} for role, content in messages])
+        try:
+            rendered: str = render([{"role": role, "content": content} for role, content in messages])
+        except ChatTemplateError as error:  # the template's own refusal (raise_exception) or error: the request's fault
+            raise InvalidRequestError(str(error), "messages") from None
         return self.runner.tokenizer.encode(rendered)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | Refusal]:

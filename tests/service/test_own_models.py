@@ -243,3 +243,14 @@ def test_tokenizer_info_gives_the_special_tokens_a_client_can_encode_back(served
 def test_a_model_without_a_chat_template_answers_400_naming_the_reason(served: Served) -> None:
     answer = httpx.post(f"{served.url}/v1/chat/completions", json={"model": "pythia-tiny", "messages": CHATS[0]}, timeout=60)
     assert answer.status_code == 400 and "chat template" in answer.json()["error"]["message"], answer.text
+
+
+def test_a_chat_template_that_refuses_the_messages_answers_400_with_its_message(served: Served) -> None:
+    """The folder's template raises for a role it does not know (raise_exception, as Mistral's and
+    Llama 2's do for roles that do not alternate): a 400 in OpenAI's envelope, on chat and /tokenize, as vLLM answers."""
+    messages = [{"role": "developer", "content": "Answer in verse."}, {"role": "user", "content": "Who are you?"}]
+    for route, body in (("/v1/chat/completions", {"max_tokens": 4}), ("/tokenize", {})):
+        answer = httpx.post(f"{served.url}{route}", json={"model": "llama-tiny", "messages": messages, **body}, timeout=60)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert "unknown role developer" in error["message"] and error["param"] == "messages", error
