@@ -71,6 +71,15 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens_at(self, start: int, n: int) -> list[int]:
+        """token_ids[start : start + n] without building token_ids (a step's tokens, every step)."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[start : start + n] + self.output_ids[max(start - prompt, 0) : max(start + n - prompt, 0)]
+
+    @property
     def slots_needed(self) -> int:
         return self.params.beam_size
 

@@ -207,8 +207,8 @@ class GeneratorRunner:
         started = time.perf_counter()
         counts = [plan.num_tokens[r.request_id] for r in requests]
         starts = [r.num_computed_tokens for r in requests]
-        tokens = [r.token_ids for r in requests]
-        done = [s + n == len(t) for s, n, t in zip(starts, counts, tokens, strict=True)]  # all its tokens computed: it samples
+        tokens = [r.tokens_at(s, n) for r, s, n in zip(requests, starts, counts, strict=True)]  # each one's tokens this step
+        done = [s + n == r.num_tokens for r, s, n in zip(requests, starts, counts, strict=True)]  # all its tokens computed: it samples
         # Rows whose logits are needed: the last of each request that samples, every row of a prompt chunk that is scored.
         scored = [r.params.prompt_logprobs is not None and not r.output_ids for r in requests]
         rows: list[int] = []
@@ -217,10 +217,10 @@ class GeneratorRunner:
             rows += list(range(first, first + n)) if sc else [first + n - 1] if d else []
             first += n
         if all(n == 1 for n in counts) and len(rows) == len(requests):  # decodes only
-            fed = {r.slots[0]: (t[s], s, plan.block_tables[r.request_id]) for r, t, s in zip(requests, tokens, starts, strict=True)}
+            fed = {r.slots[0]: (t[0], s, plan.block_tables[r.request_id]) for r, t, s in zip(requests, tokens, starts, strict=True)}
             logits = self.decode_logits(fed)  # (R, V) in requests' order
         else:
-            ids = torch.tensor([i for t, s, n in zip(tokens, starts, counts, strict=True) for i in t[s : s + n]], device=self.device)
+            ids = torch.tensor([i for t in tokens for i in t], device=self.device)
             positions = torch.tensor([p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)], device=self.device)
             tables = [plan.block_tables[r.request_id] for r in requests]
             step = ragged_step(counts, starts, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)

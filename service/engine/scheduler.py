@@ -212,7 +212,7 @@ class BlockScheduler(Scheduler):
         order = list(self.running.values())
         for prompts in (False, True):
             for r in order:
-                remaining = len(r.prompt_ids) + len(r.output_ids) - r.num_computed_tokens
+                remaining = r.num_tokens - r.num_computed_tokens
                 if (remaining > 1) != prompts or r.request_id in out.num_tokens or r.finished or r.request_id not in self.running:
                     continue
                 n = min(remaining, budget)

@@ -212,7 +212,8 @@ def test_each_fast_path_answers_as_transformers_and_as_the_plain_run(llama: tupl
             expected = [float(F.log_softmax(logits[0].float(), dim=-1)[t]) for logits, t in zip(out.logits, ours, strict=False)]
             assert got == pytest.approx(expected, abs=1e-4)
     reports: list[StepReport] = engine.reports  # type: ignore[attr-defined]
-    assert sum(r.prefix_cache_hits for r in reports) > 0 if config.prefix_caching else True
+    if config.prefix_caching:
+        assert sum(r.prefix_cache_hits for r in reports) > 0
     if "pool_blocks" in FAST_PATHS[path]:
         assert sum(r.preemptions for r in reports) > 0, "the pool was meant to be too small for the load"
     assert all(r.prefill_tokens <= config.max_num_batched_tokens for r in reports)
