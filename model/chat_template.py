@@ -16,11 +16,10 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from model.tokenizer import ChatTemplateError
+
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": str, ...}
-
-
-class ChatTemplateError(ValueError):
-    """A template that cannot render these messages (raise_exception, a syntax error), or none at all."""
+__all__ = ["ChatTemplateError", "Message", "compile_chat_template", "render_chat_template"]
 
 
 class _Generation(Extension):
@@ -62,10 +61,17 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 def render_chat_template(
-    template: jinja2.Template, messages: list[Message], special_tokens: dict[str, str], add_generation_prompt: bool = True
+    template: jinja2.Template,
+    messages: list[Message],
+    special_tokens: dict[str, str],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The conversation as the model's prompt text (its special tokens written as text)."""
+    """The conversation as the model's prompt text (its special tokens written as text); tools:
+    OpenAI's `tools` entries, for the template's `tools` variable."""
     try:
-        return template.render(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **special_tokens)
+        return template.render(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **special_tokens
+        )
     except jinja2.exceptions.TemplateError as error:
         raise ChatTemplateError(f"the chat template refused the messages: {error}") from None

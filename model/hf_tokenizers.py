@@ -23,7 +23,8 @@ import sentencepiece as spm
 from tokenizers import Tokenizer as FastTokenizer
 
 from model.chat_template import ChatTemplateError, Message, compile_chat_template, render_chat_template
-from model.folder import CheckpointError, read_json
+from model.folder_base import CheckpointError, read_json
+from model.tokenizer import WithoutChat
 
 SPACE_PIECE = "\u2581"  # sentencepiece's word-start mark
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback piece
@@ -50,7 +51,7 @@ def _piece_bytes(piece: str) -> bytes:
     return bytes([int(byte.group(1), 16)]) if byte else piece.replace(SPACE_PIECE, " ").encode("utf-8")
 
 
-class MarianTextTokenizer:
+class MarianTextTokenizer(WithoutChat):
     """MarianTokenizer's ids (one vocabulary for both sides, as every opus-mt folder)."""
 
     def __init__(self, folder: Path) -> None:
@@ -171,13 +172,13 @@ class FastTextTokenizer:
         """A prompt's ids as transformers' tokenizer gives them: bos first when it adds one (Llama)."""
         return [self.bos_id, *self.encode(text)] if self.bos_id is not None else self.encode(text)
 
-    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """The conversation as prompt text, as apply_chat_template(messages, tokenize=False) renders
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as prompt text, as apply_chat_template(messages, tools=tools, tokenize=False) renders
         it (bos included as text when the template writes it: encode it with encode, not encode_prompt).
         ChatTemplateError when the folder has no chat template or the template refuses the messages."""
         if self._compiled is None:
             raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template, chat_template.jinja)")
-        return render_chat_template(self._compiled, messages, self.special_tokens, add_generation_prompt)
+        return render_chat_template(self._compiled, messages, self.special_tokens, add_generation_prompt, tools)
 
     def decode(self, ids: list[int]) -> str:
         """Text of ids; special ids are dropped."""

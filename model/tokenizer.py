@@ -35,8 +35,31 @@ class TextTokenizer(Protocol):
     def token_text(self, token_id: int) -> str:
         """The token as its vocabulary writes it, special ones included ("</s>"); "" for none."""
 
+    chat_template: str | None  # the chat template's source; None: this tokenizer renders no chat
 
-class Tokenizer:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """A conversation (and the tools it may call) as prompt text, rendered by the chat template;
+        ChatTemplateError (model/chat_template.py) when there is none or it refuses the messages."""
+
+
+class ChatTemplateError(ValueError):
+    """A template that cannot render these messages (raise_exception, a syntax error), or none at all."""
+
+
+class WithoutChat:
+    """A tokenizer with no chat template (ours, Marian's): every chat is refused."""
+
+    chat_template: str | None = None
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        raise ChatTemplateError("this model has no chat template")
+
+
+class Tokenizer(WithoutChat):
     """Text <-> token ids. Wraps a trained sentencepiece model (serialized bytes)."""
 
     def __init__(self, model_proto: bytes) -> None:

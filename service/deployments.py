@@ -3,9 +3,12 @@ into token ids and engine parameters, streams the engine's deltas as protocol Ch
 Refusal) and reports health; limits and defaults are the engine's."""
 
 import asyncio
+import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +19,10 @@ from model.chat_template import ChatTemplateError
 from model.checkpoint import WeightType
 from model.sampling import SamplingParams
 from model.tokenizer import TextTokenizer
+from model.tool_calls import FunctionTool, ToolCallParser, forced_call_grammar, tool_call_format
 from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
-from service.engine.config import TokenLogprob
+from service.engine.config import StructuredOutput, TokenLogprob
 from service.engine.engine import Engine
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from service.engine.faults import FaultInjectingRunner, FaultKind
@@ -36,6 +40,8 @@ from service.protocol import (
     TokenizeRequest,
     TokenizerInfo,
     Tokens,
+    Tool,
+    ToolCall,
 )
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
@@ -76,7 +82,39 @@ def generation_params(request: GenerateRequest) -> GenerationParams:
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         prompt_logprobs=(request.logprobs or 0) if scores_prompt else None,
+        structured=request.structured,
     )
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (a tool call's arguments as an object, as transformers passes them)."""
+    entry: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
+
+
+def template_function(tool: Tool) -> FunctionTool:
+    return FunctionTool(tool.name, tool.description, json.loads(tool.parameters))
+
+
+def template_tool(tool: Tool) -> dict[str, Any]:
+    return template_function(tool).as_template_tool()
+
+
+def with_tool_calls(answer: Chunk, parser: ToolCallParser) -> Chunk:
+    """The chunk with the text of the tool calls it completes taken out, and the calls added (the
+    last chunk also gets what the parser held back)."""
+    content, calls = parser.feed(answer.text)
+    if answer.finish_reason is not None:
+        rest, more = parser.close()
+        content, calls = content + rest, calls + more
+    tool_calls = tuple(ToolCall(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments) for c in calls)
+    return replace(answer, text=content, tool_calls=tool_calls)
 
 
 def token_text(tokenizer: TextTokenizer, scored: TokenLogprob) -> TokenLogprob:
@@ -138,32 +176,51 @@ class ModelDeployment:
     def _request_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt's ids: as sent (checked against the vocabulary), or from its text or chat."""
         if request.prompt_ids is None:
-            return self._prompt_ids(request.text, request.messages)
+            return self._prompt_ids(request.text, request.messages, tools=request.tools)
         vocab_size = self.runner.tokenizer.vocab_size
         if any(not 0 <= i < vocab_size for i in request.prompt_ids):
             raise InvalidRequestError(f"token ids must be in [0, {vocab_size})", "prompt")
         return list(request.prompt_ids)
 
-    def _prompt_ids(self, text: str, messages: tuple[ChatMessage, ...] | None, add_special_tokens: bool = True) -> list[int]:
+    def _prompt_ids(
+        self, text: str, messages: tuple[ChatMessage, ...] | None, add_special_tokens: bool = True, tools: tuple[Tool, ...] = ()
+    ) -> list[int]:
         """A prompt's ids: text as the engine reads a prompt (with the special tokens the model's
-        tokenizer adds, when add_special_tokens), or a chat rendered by the model's template
-        (InvalidRequestError when it has none, or when it refuses the messages) and encoded as it is."""
+        tokenizer adds, when add_special_tokens), or a chat (with its tools) rendered by the model's
+        template (InvalidRequestError when it has none, or when it refuses the messages) and encoded as it is."""
         if messages is None:
             return self.runner.encode_prompt(text) if add_special_tokens else self.runner.tokenizer.encode(text)
-        render = getattr(self.runner.tokenizer, "render_chat", None)
-        template = getattr(self.runner.tokenizer, "chat_template", None)
-        if render is None or template is None:
+        tokenizer = self.runner.tokenizer
+        if tokenizer.chat_template is None:
             raise InvalidRequestError(f"the model {self.config.name} has no chat template; use /v1/completions", "messages")
         try:
-            rendered: str = render([{"role": role, "content": content} for role, content in messages])
+            rendered = tokenizer.render_chat([template_message(m) for m in messages], tools=[template_tool(t) for t in tools] or None)
         except ChatTemplateError as error:  # the template's own refusal (raise_exception) or error: the request's fault
             raise InvalidRequestError(str(error), "messages") from None
-        return self.runner.tokenizer.encode(rendered)
+        return tokenizer.encode(rendered)
+
+    def _tool_calls(self, request: GenerateRequest) -> tuple[ToolCallParser | None, StructuredOutput | None]:
+        """A chat with tools: the parser of the calls in its reply, in the format the model's chat
+        template asks for, and the grammar that forces a call when tool_choice asks for one."""
+        if not request.tools or request.tool_choice == "none":
+            return None, request.structured
+        format = tool_call_format(self.runner.tokenizer.chat_template or "")
+        if format is None:
+            message = f"the model {self.config.name}'s chat template does not render tools in a tool-call format this server parses"
+            raise InvalidRequestError(message + " (Hermes <tool_call>, Llama 3.1 JSON)", "tools")
+        if request.tool_choice == "auto" and request.tool_name is None:
+            return ToolCallParser(format), request.structured
+        if request.structured is not None:
+            raise InvalidRequestError("a forced tool call cannot also take response_format or structured_outputs", "tool_choice")
+        tools = [template_function(t) for t in request.tools if request.tool_name in (None, t.name)]
+        grammar = forced_call_grammar(format, tools, request.parallel_tool_calls and request.tool_name is None)
+        return ToolCallParser(format), StructuredOutput("lark", grammar, "tool_choice")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | Refusal]:
         try:
             prompt_ids = self._request_ids(request)
-            stream = await self.engine.submit(prompt_ids, generation_params(request))
+            parser, structured = self._tool_calls(request)
+            stream = await self.engine.submit(prompt_ids, replace(generation_params(request), structured=structured))
         except InvalidRequestError as error:
             self.metrics.record_failure("validation")
             yield Refusal("invalid", str(error), error.param)
@@ -180,7 +237,8 @@ class ModelDeployment:
         tokenizer = self.runner.tokenizer
         echo = (request.text if request.prompt_ids is None else tokenizer.decode(prompt_ids)) if request.echo else None
         async for delta in paced(stream, interval_s):
-            yield chunk(delta, tokenizer, request, echo)
+            answer = chunk(delta, tokenizer, request, echo)
+            yield answer if parser is None else with_tool_calls(answer, parser)
             echo = None
 
     async def attention(self, request: AttentionRequest) -> AttentionMap | Refusal:
@@ -213,7 +271,7 @@ class ModelDeployment:
             special(getattr(self.runner, "bos_id", None)),  # a translator's decoder starts from its own start id instead
             special(self.runner.pad_id),
             self.runner.max_len,
-            getattr(tokenizer, "chat_template", None),
+            tokenizer.chat_template,
         )
 
     async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:

@@ -17,7 +17,7 @@ Closing the stream early cancels the request; it stops using the model within on
 from dataclasses import dataclass
 from typing import Literal
 
-from service.engine.config import FinishReason, TokenLogprob
+from service.engine.config import FinishReason, StructuredOutput, TokenLogprob
 
 # invalid: the request can never be served as asked (HTTP 400); overloaded: the replica's queue is
 # full, retry later (429); unavailable: the replica's engine is not running (503).
@@ -25,7 +25,35 @@ RefusalKind = Literal["invalid", "overloaded", "unavailable"]
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's; translation routes ask for 0 (greedy) or beam search
 
-ChatMessage = tuple[str, str]  # (role, content)
+# tools: "none" generates freely and returns text; "auto" lets the model call tools (parsed from its
+# reply); "required" (or GenerateRequest.tool_name) constrains the reply to calls (to that function).
+ToolChoice = Literal["none", "auto", "required"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object's text
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat, as its template reads it (an assistant's tool calls, a tool's result)."""
+
+    role: str
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call (OpenAI's `tools` entry)."""
+
+    name: str
+    description: str | None
+    parameters: str  # the JSON schema of its arguments, as JSON text
 
 
 @dataclass(frozen=True)
@@ -58,6 +86,11 @@ class GenerateRequest:
     # max_tokens 0 is allowed with echo: the prompt alone.
     logprobs: int | None = None
     echo: bool = False
+    structured: StructuredOutput | None = None  # the output follows this grammar (JSON schema, regex, choices, EBNF)
+    tools: tuple[Tool, ...] = ()  # a chat's: rendered by the model's chat template, calls parsed from the reply
+    tool_choice: ToolChoice = "auto"
+    tool_name: str | None = None  # the one function the reply must call
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,6 +104,7 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     echo: str | None = None  # with GenerateRequest.echo, on the first chunk: the prompt's text
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with echo and logprobs, on the first chunk (the first token's is None)
+    tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this chunk (their text is not in `text`)
 
     def followed_by(self, later: "Chunk") -> "Chunk":
         """This chunk and the next one of the same stream, as one."""
@@ -83,6 +117,7 @@ class Chunk:
             self.logprobs + later.logprobs,
             self.echo if self.echo is not None else later.echo,
             self.prompt_logprobs or later.prompt_logprobs,
+            self.tool_calls + later.tool_calls,
         )
 
 

@@ -3,6 +3,7 @@
 
 import asyncio
 import itertools
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -21,13 +22,18 @@ from service.api.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessageBody,
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
     DetokenizeBody,
     DetokenizeResponse,
+    JSONObjectFormat,
+    JSONSchemaResponseFormat,
     ModelList,
+    NamedToolChoice,
     OpenAIError,
+    SamplingRequest,
     TokenizeBody,
     TokenizeResponse,
     TokenizerInfoResponse,
@@ -36,7 +42,8 @@ from service.api.schemas import (
 )
 from service.api.streams import merged, sse, sse_error
 from service.config import ServiceConfig
-from service.protocol import Chunk, GenerateRequest, TokenizeRequest
+from service.engine.config import FinishReason, StructuredOutput
+from service.protocol import ChatMessage, Chunk, GenerateRequest, TokenizeRequest, Tool, ToolCall
 
 router = APIRouter()
 
@@ -62,14 +69,16 @@ async def list_models(request: Request) -> dict[str, Any]:
     }
 
 
-def sampling_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
-    """The request's generation fields, as the engine takes them."""
+def sampling_fields(body: SamplingRequest) -> dict[str, Any]:
+    """The request's generation fields, as the engine takes them (GenerateRequest's)."""
     unsupported = body.unsupported_field()
     if unsupported is not None:
         raise APIError(400, f"{unsupported} is not supported by this server; leave it at its default", unsupported)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
-    max_tokens = body.max_completion_tokens or body.max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest):
+        max_tokens = body.max_completion_tokens or max_tokens
     return {
         "max_tokens": max_tokens,
         "temperature": body.temperature,
@@ -84,7 +93,80 @@ def sampling_fields(body: CompletionRequest | ChatCompletionRequest) -> dict[str
         "ignore_eos": body.ignore_eos,
         "stop": tuple(body.stop or ()),
         "stream": body.stream,
+        "structured": structured_output(body),
     }
+
+
+ANY_OBJECT = json.dumps({"type": "object"})
+
+
+def structured_output(body: SamplingRequest) -> StructuredOutput | None:
+    """The output's constraint: OpenAI's response_format or vLLM's structured_outputs (not both)."""
+    form, constraint = body.response_format, body.structured_outputs
+    if constraint is not None and form is not None and form.type != "text":
+        raise APIError(400, "send one of response_format and structured_outputs", "structured_outputs")
+    if isinstance(form, JSONObjectFormat):
+        return StructuredOutput("json", ANY_OBJECT, "response_format")
+    if isinstance(form, JSONSchemaResponseFormat):
+        return StructuredOutput("json", json.dumps(form.json_schema.schema_), "response_format.json_schema.schema")
+    if constraint is None:
+        return None
+    given = {"json": constraint.json_, "regex": constraint.regex, "choice": constraint.choice, "grammar": constraint.grammar}
+    given = {kind: value for kind, value in given.items() if value is not None}
+    if constraint.json_object:
+        given["json_object"] = ANY_OBJECT
+    if len(given) != 1:
+        raise APIError(400, "structured_outputs takes exactly one of json, regex, choice, grammar and json_object", "structured_outputs")
+    ((kind, value),) = given.items()
+    param = f"structured_outputs.{kind}"
+    if kind in ("json", "json_object", "choice"):
+        text = value if isinstance(value, str) else json.dumps(value)
+        return StructuredOutput("choice" if kind == "choice" else "json", text, param)
+    return StructuredOutput("regex" if kind == "regex" else "grammar", str(value), param)
+
+
+def chat_messages(bodies: list[ChatMessageBody]) -> tuple[ChatMessage, ...]:
+    """The chat as the replica renders it; 400 for a message without content (an assistant's may
+    have tool calls instead), a tool's without the call it answers, arguments that are not a JSON object."""
+    messages = []
+    for i, m in enumerate(bodies):
+        calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ())
+        for call in calls:
+            try:
+                arguments = json.loads(call.arguments)
+            except json.JSONDecodeError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise APIError(400, f"messages[{i}]: a tool call's arguments must be a JSON object", "messages")
+        if calls and m.role != "assistant":
+            raise APIError(400, f"messages[{i}]: only an assistant's message has tool_calls", "messages")
+        if m.text() is None and not calls:
+            raise APIError(400, f"messages[{i}]: content is required (an assistant's may be tool_calls instead)", "messages")
+        if m.role == "tool" and m.tool_call_id is None:
+            raise APIError(400, f"messages[{i}]: a tool's message needs the tool_call_id it answers", "messages")
+        messages.append(ChatMessage(m.role, m.text(), calls, m.tool_call_id))
+    return tuple(messages)
+
+
+def tool_fields(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat's tools, as the engine takes them (GenerateRequest's): a named tool_choice is
+    "required" of that one function."""
+    if not body.tools:
+        if body.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        return {}
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) < len(names):
+        raise APIError(400, "tools: every function needs its own name", "tools")
+    choice, name = body.tool_choice or "auto", None
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among tools", "tool_choice")
+        choice = "required"
+    no_arguments = {"type": "object", "properties": {}}
+    tools = tuple(Tool(t.function.name, t.function.description, json.dumps(t.function.parameters or no_arguments)) for t in body.tools)
+    return {"tools": tools, "tool_choice": choice, "tool_name": name, "parallel_tool_calls": body.parallel_tool_calls}
 
 
 def prompts_of(body: CompletionRequest) -> list[str | tuple[int, ...]]:
@@ -156,6 +238,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     "/v1/chat/completions",
     tags=["openai"],
     response_model=ChatCompletionResponse,
+    response_model_exclude_unset=True,
     responses={**MODEL_ERRORS, **event_stream(ChatCompletionChunk)},
     openapi_extra={MODEL_EXTENSION: "generator"},
 )
@@ -166,16 +249,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     config: ServiceConfig = request.app.state.config
     backends: Backends = request.app.state.backends
     model = model_by_name(config, "generator", body.model).name
-    messages = tuple((m.role, m.text()) for m in body.messages)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    requests = choices(GenerateRequest(text="", messages=messages, logprobs=logprobs, **sampling_fields(body)), body.n)
+    fields = {**sampling_fields(body), **tool_fields(body)}
+    requests = choices(GenerateRequest(text="", messages=chat_messages(body.messages), logprobs=logprobs, **fields), body.n)
     streams = await open_streams(backends.models[model], requests, config.retry_after_seconds)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+    calls_end = fields.get("tool_name") is None  # a named function's call ends with "stop", as OpenAI's
     if body.stream:
         chunk_base = {**base, "object": "chat.completion.chunk"}
-        frames = stream_choices(streams, chunk_base, ChatFrames(body.logprobs), body.n, *stream_flags(body))
+        frames = stream_choices(streams, chunk_base, ChatFrames(body.logprobs, calls_end), body.n, *stream_flags(body))
         return StreamingResponse(frames, media_type="text/event-stream")
     finals = await final_chunks(streams, config.retry_after_seconds)
     return {
@@ -184,14 +268,30 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": chat_message(c),
                 "logprobs": chat_logprobs(c) if body.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": chat_finish(c.finish_reason, bool(c.tool_calls) and calls_end),
             }
             for i, c in enumerate(finals)
         ],
         "usage": usage(finals, body.n),
     }
+
+
+def tool_call_out(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_message(chunk: Chunk) -> dict[str, Any]:
+    """A whole reply: its text, or its tool calls and the text around them (None when only space)."""
+    if not chunk.tool_calls:
+        return {"role": "assistant", "content": chunk.text}
+    return {"role": "assistant", "content": chunk.text.strip() or None, "tool_calls": [tool_call_out(c) for c in chunk.tool_calls]}
+
+
+def chat_finish(reason: FinishReason | None, called: bool) -> str | None:
+    """A chat's finish reason: "tool_calls" for a reply that ended after calling tools."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 async def final_chunks(streams: list[AsyncGenerator[Chunk, None]], retry_after: int) -> list[Chunk]:
@@ -262,9 +362,12 @@ def chat_logprobs(chunk: Chunk) -> dict[str, Any]:
 @dataclass
 class ChatFrames:
     """A chat stream's choices for one chunk: the role alone first, then content (with logprobs:
-    its tokens'), then the finish reason with an empty delta (as OpenAI sends them)."""
+    its tokens'), each tool call whole as it completes, then the finish reason with an empty delta
+    (as OpenAI sends them; "tool_calls" after calls unless calls_end is False)."""
 
     logprobs: bool
+    calls_end: bool = True
+    calls: dict[int, int] = field(default_factory=dict)  # tool calls sent so far, by choice
 
     def __call__(self, index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
         frames: list[dict[str, Any]] = []
@@ -273,8 +376,14 @@ class ChatFrames:
         if chunk.text or (self.logprobs and chunk.logprobs):  # tokens of a character not yet whole: their logprobs now
             scores = chat_logprobs(chunk) if self.logprobs else None
             frames.append({"index": index, "delta": {"content": chunk.text}, "logprobs": scores, "finish_reason": None})
+        for call in chunk.tool_calls:
+            sent = self.calls.get(index, 0)
+            self.calls[index] = sent + 1
+            delta = {"tool_calls": [{"index": sent, **tool_call_out(call)}]}
+            frames.append({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
         if chunk.finish_reason is not None:
-            frames.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": chunk.finish_reason})
+            reason = chat_finish(chunk.finish_reason, self.calls_end and index in self.calls)
+            frames.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return frames
 
 
@@ -320,7 +429,7 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send one of prompt and messages", "prompt")
     text = body.prompt or ""
-    messages = tuple((m.role, m.text()) for m in body.messages) if body.messages is not None else None
+    messages = chat_messages(body.messages) if body.messages is not None else None
     backend = request.app.state.backends.models[model.name]
     tokenized = await backend.tokenize(TokenizeRequest(text, messages, body.add_special_tokens))
     tokens = answered(tokenized, config.retry_after_seconds)

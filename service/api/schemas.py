@@ -1,7 +1,7 @@
 """Request bodies, validated at the edge (strict types: `true` is not a number, NaN is not a float),
 and the responses every route documents in the OpenAPI schema."""
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from pydantic.alias_generators import to_camel
@@ -59,25 +59,47 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: StrictBool = False  # vLLM's: usage (tokens so far) on every chunk
 
 
-class CompletionRequest(StrictModel):
-    """OpenAI `POST /v1/completions`. Fields that would change the output but are not supported
-    are accepted only at their neutral value and rejected otherwise, naming the field."""
+class JSONSchemaFormat(StrictModel):
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    schema_: dict[str, Any] = Field(alias="schema")  # the output's JSON schema
+    strict: StrictBool | None = None  # accepted; the output always follows the schema
 
-    # The examples (on every request model) are in the schema, and the schema fuzzing sends them.
-    model_config = ConfigDict(
-        json_schema_extra={
-            "examples": [
-                {"prompt": "ROMEO:", "max_tokens": 16},
-                {"prompt": "ROMEO:", "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}},
-                {"prompt": "ROMEO: What light", "max_tokens": 0, "echo": True, "logprobs": 1},
-            ]
-        }
-    )
 
-    model: StrictStr | None = None  # omitted: the generator (as vLLM serves its one model)
-    # A prompt as text or token ids, or a batch of them (each prompt's n choices in turn).
-    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = Field(None, ge=0)  # 0 with echo: the prompt alone
+class TextFormat(StrictModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(StrictModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(StrictModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaResponseFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs`: exactly one constraint on the output."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")  # a JSON schema (or its text)
+    regex: StrictStr | None = None
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: StrictStr | None = None  # EBNF: GBNF (llama.cpp's) or Lark
+    json_object: StrictBool | None = None
+
+
+class SamplingRequest(StrictModel):
+    """The fields completions and chat completions share: how to sample, how to stream, what
+    the output must follow. Fields that would change the output but are not supported are in
+    NEUTRAL, accepted only at their neutral value and rejected otherwise, naming the field."""
+
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    model: StrictStr | None = None  # omitted: the first generator (as vLLM serves its one model)
     temperature: FiniteFloat = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1)  # vLLM extension; 0 or -1: no limit
@@ -86,28 +108,45 @@ class CompletionRequest(StrictModel):
     stream_options: StreamOptions | None = None  # with stream only (as vLLM: a 400 otherwise)
     stop: Stop = None
     seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, with this many top alternatives
-    echo: StrictBool = False  # the prompt before the completion (with logprobs: its tokens' too)
     presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's, on the generated tokens
     frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=2.0)  # vLLM's (transformers'), on the prompt's and generated tokens
     min_tokens: StrictInt = Field(0, ge=0)  # vLLM's: no eos, and no stop string ending, within this many tokens (at most max_tokens)
     ignore_eos: StrictBool = False  # vLLM's: an eos does not end the completion
-    best_of: StrictInt | None = None
     logit_bias: LogitBias = None  # OpenAI's: token id (as a string) -> added to its logit, -100 to 100
-    suffix: StrictStr | None = None
+    response_format: ResponseFormat | None = None  # OpenAI's: json_object, or json_schema
+    structured_outputs: StructuredOutputs | None = None  # vLLM's: json, regex, choice, grammar or json_object
     user: StrictStr | None = None  # accepted, not used (it does not change the output)
+    max_tokens: StrictInt | None = Field(None, ge=0)  # None: what the context allows (vLLM's)
 
     def unsupported_field(self) -> str | None:
         """The first field set to a value this server does not implement."""
-        return next((name for name, allowed in NEUTRAL_VALUES.items() if getattr(self, name) not in allowed), None)
+        return next((name for name, allowed in self.NEUTRAL.items() if getattr(self, name) not in allowed), None)
 
 
-# Fields accepted for compatibility only at values that leave the output unchanged.
-NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
-    "suffix": (None,),
-}
+class CompletionRequest(SamplingRequest):
+    """OpenAI `POST /v1/completions`."""
+
+    # The examples (on every request model) are in the schema, and the schema fuzzing sends them.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"prompt": "ROMEO:", "max_tokens": 16},
+                {"prompt": "ROMEO:", "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}},
+                {"prompt": "ROMEO: What light", "max_tokens": 0, "echo": True, "logprobs": 1},
+                {"prompt": "Is it night?", "max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}},
+            ]
+        }
+    )
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {"best_of": (None, 1), "suffix": (None,)}
+
+    # A prompt as text or token ids, or a batch of them (each prompt's n choices in turn).
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0 with echo: the prompt alone
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, with this many top alternatives
+    echo: StrictBool = False  # the prompt before the completion (with logprobs: its tokens' too)
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
 
 
 class TextPart(StrictModel):
@@ -115,57 +154,79 @@ class TextPart(StrictModel):
     text: Text
 
 
+class FunctionCallBody(StrictModel):
+    name: StrictStr
+    arguments: StrictStr  # a JSON object's text
+
+
+class ToolCallBody(StrictModel):
+    """A call an assistant made, sent back in a later request's history."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class ChatMessageBody(StrictModel):
-    """One message of a chat; content as a string or as text parts (joined)."""
+    """One message of a chat; content as a string or as text parts (joined). An assistant's may
+    have tool_calls instead of content; a tool's answers the call tool_call_id names."""
 
-    model_config = ConfigDict(extra="ignore")  # e.g. tool_calls: null, as clients send them
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    model_config = ConfigDict(extra="ignore")  # e.g. refusal: null, as clients send them back
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallBody] | None = None
+    tool_call_id: StrictStr | None = None
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+    def text(self) -> str | None:
+        return self.content if isinstance(self.content, str) or self.content is None else "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(StrictModel):
-    """OpenAI `POST /v1/chat/completions`. As for completions, fields this server does not
-    implement are accepted only at their neutral value."""
+class FunctionDefinition(StrictModel):
+    name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
+    strict: StrictBool | None = None  # accepted; forced calls always follow the parameters' schema
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}]})
 
-    model: StrictStr | None = None  # omitted: the first generator
+class ToolBody(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: StrictStr
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """OpenAI `POST /v1/chat/completions`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16},
+                {
+                    "messages": [{"role": "user", "content": "A person, as JSON"}],
+                    "max_tokens": 32,
+                    "response_format": {"type": "json_object"},
+                },
+            ]
+        }
+    )
+
     messages: list[ChatMessageBody] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    temperature: FiniteFloat = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
-    top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=-1)
-    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    stop: Stop = None
-    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
     logprobs: StrictBool = False  # each content token's logprob
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_CHAT_LOGPROBS)  # with logprobs: the most likely tokens too
-    presence_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: FiniteFloat = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=2.0)
-    min_tokens: StrictInt = Field(0, ge=0)
-    ignore_eos: StrictBool = False
-    logit_bias: LogitBias = None  # OpenAI's: token id (as a string) -> added to its logit, -100 to 100
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    user: StrictStr | None = None
-
-    def unsupported_field(self) -> str | None:
-        """The first field set to a value this server does not implement."""
-        neutral: dict[str, tuple[Any, ...]] = {
-            "response_format": (None, {"type": "text"}),
-            "tools": (None, []),
-            "tool_choice": (None, "none"),
-        }
-        return next((name for name, allowed in neutral.items() if getattr(self, name) not in allowed), None)
+    tools: list[ToolBody] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # none given: "auto" with tools
+    parallel_tool_calls: StrictBool = True
 
 
 class TokenizeBody(StrictModel):
@@ -351,9 +412,24 @@ class CompletionChunk(CompletionFields):
     usage: Usage | SkipJsonSchema[None] = None
 
 
+ChatFinish = Literal["stop", "length", "tool_calls"]  # "tool_calls": the model called tools (tool_choice auto or required)
+
+
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessageOut(ResponseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when the reply is tool calls alone
+    tool_calls: list[ToolCallOut] | SkipJsonSchema[None] = None  # the calls the model made, when it made any
 
 
 class ChatTopLogprob(ResponseModel):
@@ -376,7 +452,7 @@ class ChatChoice(ResponseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
-    finish_reason: Finish
+    finish_reason: ChatFinish
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -390,16 +466,23 @@ class ChatCompletionResponse(ResponseModel):
     usage: Usage
 
 
+class ToolCallDelta(ToolCallOut):
+    """A streamed tool call: sent whole, in one event, once its arguments are complete."""
+
+    index: int  # the call's place among the choice's calls
+
+
 class ChatDelta(ResponseModel):
     role: Literal["assistant"] | SkipJsonSchema[None] = None  # on each choice's first event only
     content: str | SkipJsonSchema[None] = None
+    tool_calls: list[ToolCallDelta] | SkipJsonSchema[None] = None
 
 
 class ChatChunkChoice(ResponseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Finish | None
+    finish_reason: ChatFinish | None
 
 
 class ChatCompletionChunk(ResponseModel):

@@ -22,6 +22,21 @@ class TokenLogprob:
     top: tuple[tuple[int | str, float], ...] = ()
 
 
+# What a structured output is written in: a JSON schema, a regular expression, a list of choices,
+# an EBNF (GBNF or Lark) grammar, or llguidance's Lark with embedded JSON schemas (tool calls).
+GrammarKind = Literal["json", "regex", "choice", "grammar", "lark"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output (vLLM's structured outputs): every token is chosen among
+    those the grammar allows next, and the end of sequence only where the grammar is complete."""
+
+    kind: GrammarKind
+    spec: str  # json: the schema as JSON text; choice: a JSON list of strings; else the grammar's text
+    param: str = "structured_outputs"  # the request field it came from, named when it cannot compile
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     n_slots: int = 32  # concurrent sequences (beams count one each); a translator's KV-cache rows

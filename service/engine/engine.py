@@ -14,6 +14,7 @@ from model.packed_linear import pack_linear_layers, packing_available
 from service.engine.config import EngineConfig, FinishReason, TokenLogprob
 from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.errors import InvalidRequestError
+from service.engine.grammar import GrammarCompiler
 from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.runner import ModelRunner, RunnerOutput, runner_for
@@ -84,6 +85,7 @@ class Engine:
         self.blocks = None if pool is None else KVBlockManager(pool.num_blocks, pool.block_size, pool.prefix_caching, pool.salt)
         self.scheduler = Scheduler(config.n_slots, *limits) if self.blocks is None else BlockScheduler(self.blocks, config.n_slots, *limits)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.grammars = GrammarCompiler(runner.tokenizer, runner.eos_ids)
         self.counters = EngineCounters()
         self.on_step: Callable[[StepReport], None] | None = None  # e.g. metrics; called from the stepping thread
 
@@ -134,6 +136,12 @@ class Engine:
             raise InvalidRequestError(f"min_tokens must be between 0 and max_tokens ({max_tokens})", "min_tokens")
         if params.n_best < 1 or params.n_best > params.beam_size:
             raise InvalidRequestError("alternatives must be fewer than the beam size", "n_best")
+        if params.structured is not None:
+            if params.beam_size > 1:
+                raise InvalidRequestError("a structured output is generated token by token: it cannot take beam search", "beam_size")
+            if params.min_tokens:
+                raise InvalidRequestError("min_tokens cannot hold back the end of a structured output", "min_tokens")
+            self.grammars.matcher(params.structured)  # compiled now (and kept): a grammar that fails is the request's 400
         return replace(params, max_tokens=max_tokens)
 
     def add_request(self, request: Request) -> None:
@@ -145,6 +153,8 @@ class Engine:
     def queue(self, request: Request) -> None:
         """Queues a request whose parameters `resolve` returned; raises QueueFullError without queueing."""
         self.scheduler.add(request)
+        if request.params.structured is not None:
+            request.grammar = self.grammars.matcher(request.params.structured)
         detokenizer = IncrementalDetokenizer(
             self.runner.tokenizer, request.params.stop, self.runner.strip_leading_space, request.params.min_tokens
         )
@@ -171,6 +181,7 @@ class Engine:
         output = RunnerOutput()
         if not plan.is_empty:
             try:
+                plan.grammar = self.grammars.masks(plan.prefill + plan.decode)  # computed while the model runs
                 output = self.runner.execute(plan)
             except Exception as error:
                 log.exception("step failed; failing its %d requests", plan.batch_size)
@@ -246,6 +257,8 @@ class Engine:
             self.scheduler.finish(r, "length")
             return self._finish(r, "length", report, prompt_logprobs=scored)
         self._token_timing(r, now, 1, report)
+        if r.grammar is not None and not r.grammar.consume_token(token):
+            log.warning("request %s: its grammar refused token %d (%s)", r.request_id, token, r.grammar.get_error())
         if token in self.runner.eos_ids and not r.params.ignore_eos:
             self.scheduler.finish(r, "stop")
             return self._finish(r, "stop", report, prompt_logprobs=scored)

@@ -4,11 +4,12 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+import llguidance
 import torch
 
 from model.beam_search import BeamState
 from model.sampling import SamplingParams
-from service.engine.config import FinishReason, TokenLogprob
+from service.engine.config import FinishReason, StructuredOutput, TokenLogprob
 
 
 class RequestStatus(Enum):
@@ -36,6 +37,7 @@ class GenerationParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0  # no eos id is sampled (transformers' min_new_tokens) and no stop string ends within this many tokens
     ignore_eos: bool = False  # an eos id does not end the sequence (vLLM's, for fixed-length benchmarks)
+    structured: StructuredOutput | None = None  # the output follows this grammar (service/engine/grammar.py)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class Request:
     finish_reason: FinishReason | None = None
     rng: torch.Generator | None = None  # per-request sampling randomness
     beams: BeamState | None = None  # a beam search's live beams and ended hypotheses (the translator's runner)
+    grammar: llguidance.LLMatcher | None = None  # params.structured's matcher, advanced by every token generated
     scheduled_time: float | None = None  # when it left the waiting queue
     first_token_time: float | None = None
     last_token_time: float = 0.0

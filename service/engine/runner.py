@@ -18,6 +18,7 @@ from model.translate import max_new_tokens_for, pad_batch
 from model.translator import Translator
 from service.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, TokenLogprob, serving_context
 from service.engine.fixed_shape import GeneratorDecoder, PagedFed, TranslatorDecoder
+from service.engine.grammar import GrammarMasks
 from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Request
 from service.engine.scheduler import SchedulerOutput
@@ -248,6 +249,8 @@ class GeneratorRunner:
                 at += 1
         if sampling:
             next_logits = logits.index_select(0, torch.tensor(sampled_rows, device=logits.device))  # (S, V)
+            if plan.grammar is not None:
+                plan.grammar.apply(next_logits, [r.request_id for r in sampling])
             chosen = _sample(next_logits, sampling, self.eos_ids)
             output.tokens.update({r.request_id: t for r, t in zip(sampling, chosen, strict=True)})
             record_logprobs(output, next_logits, chosen, sampling)
@@ -359,7 +362,7 @@ class TranslatorRunner:
             started = time.perf_counter()
             self._encode(plan.prefill)
             output.prefill_seconds = time.perf_counter() - started
-        self._decode(plan.prefill + plan.decode, output)
+        self._decode(plan.prefill + plan.decode, output, plan.grammar)
         return output
 
     def _encode(self, requests: list[Request]) -> None:
@@ -378,7 +381,7 @@ class TranslatorRunner:
         sequences = r.beams.sequences if r.beams is not None else [r.output_ids]
         return [s[-1] if s else self.start_id for s in sequences]
 
-    def _decode(self, requests: list[Request], output: RunnerOutput) -> None:
+    def _decode(self, requests: list[Request], output: RunnerOutput, grammar: GrammarMasks | None) -> None:
         """One decoder step for every running sequence (each beam a row), then beams are reordered:
         a row that continues another row's beam takes its blocks (block_table fork)."""
         fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
@@ -402,7 +405,10 @@ class TranslatorRunner:
                 self.cache.copy_blocks(torch.tensor([a for a, _ in copies]), torch.tensor([b for _, b in copies]))
         if streamed:
             streamed_rows = torch.tensor([row_of[r.slots[0]] for r in streamed], device=self.device)
-            sampled = _sample(logits.index_select(0, streamed_rows), streamed, self.eos_ids)
+            streamed_logits = logits.index_select(0, streamed_rows)  # (S, V)
+            if grammar is not None:
+                grammar.apply(streamed_logits, [r.request_id for r in streamed])
+            sampled = _sample(streamed_logits, streamed, self.eos_ids)
             output.tokens.update({r.request_id: t for r, t in zip(streamed, sampled, strict=True)})
 
     def decode_logits(self, fed: Fed, slots_of_requests: list[list[int]], source_length: int) -> Tensor:

@@ -5,11 +5,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from service.engine.config import BatchingPolicy, FinishReason
 from service.engine.errors import QueueFullError
 from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from service.engine.grammar import GrammarMasks
 
 
 class SlotAllocator:
@@ -49,6 +53,7 @@ class SchedulerOutput:
     num_tokens: dict[str, int] = field(default_factory=dict)
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # each scheduled request's blocks (a copy)
     preempted: list[Request] = field(default_factory=list)
+    grammar: "GrammarMasks | None" = None  # the token masks of its requests with a structured output (the engine's)
 
     @property
     def is_empty(self) -> bool:

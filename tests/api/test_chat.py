@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from service.api.app import create_api
 from service.config import ServiceConfig
-from service.protocol import Chunk, GenerateRequest, Refusal, TokenizeRequest, Tokens
+from service.protocol import ChatMessage, Chunk, GenerateRequest, Refusal, TokenizeRequest, Tokens
 from tests.helpers import backends_for
 
 
@@ -21,17 +21,17 @@ class EchoModel:
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
         self.requests.append(request)
-        if request.messages is not None and request.messages[0][1] == "no template":
+        if request.messages is not None and request.messages[0].content == "no template":
             yield Refusal("invalid", "the model has no chat template; use /v1/completions", "messages")
             return
-        text = request.messages[-1][1] if request.messages is not None else request.text
+        text = request.messages[-1].content if request.messages is not None else request.text
         words = [f"{request.seed}:", *(" " + w for w in text.split())]
         yield Chunk("", prompt_tokens=5)
         for i, word in enumerate(words):
             yield Chunk(word, "stop" if i == len(words) - 1 else None, prompt_tokens=5, completion_tokens=i + 1)
 
     async def tokenize(self, request: TokenizeRequest) -> Tokens:
-        text = request.text if request.messages is None else "|".join(c for _, c in request.messages)
+        text = request.text if request.messages is None else "|".join(m.content or "" for m in request.messages)
         ids = tuple(ord(c) for c in text) + ((1,) if request.add_special_tokens and request.messages is None else ())
         return Tokens(ids, tuple(chr(i) for i in ids), 256)
 
@@ -67,7 +67,7 @@ def test_a_chat_completion_answers_the_messages_as_openai_shapes_it(api: tuple[T
     ]
     assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     (sent,) = model.requests
-    assert sent.messages == (("system", "Be brief."), ("user", "good night")) and sent.max_tokens == 9
+    assert sent.messages == (ChatMessage("system", "Be brief."), ChatMessage("user", "good night")) and sent.max_tokens == 9
 
 
 def test_a_streamed_chat_sends_the_role_then_content_then_the_finish_and_equals_the_unstreamed(api: tuple[TestClient, EchoModel]) -> None:
@@ -105,12 +105,44 @@ def test_n_gives_independent_choices_each_with_its_own_seed(api: tuple[TestClien
     assert len(model.requests) == 5
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def NAMED(name: str) -> dict[str, object]:  # noqa: N802 (reads as the value it builds)
+    return {"type": "function", "function": {"name": name}}
+
+
+def CALL(arguments: str) -> dict[str, object]:  # noqa: N802
+    return {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.0.function"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL, TOOL]}, "tools"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tools": [TOOL], "tool_choice": NAMED("nowhere")}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "4"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [CALL("[1]")]}]}, "messages"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
+            "response_format.json_schema.json_schema",
+        ),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ("/v1/completions", {"prompt": "x", "structured_outputs": {"xml": "a"}}, "structured_outputs.xml"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+        ),
         ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs
         ("/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),

@@ -27,7 +27,7 @@ class FakeModel:
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
         yield Chunk("", None, (), 3, 0)
-        if BROKEN in (request.text, *(content for _, content in request.messages or ())):
+        if BROKEN in (request.text, *(m.content for m in request.messages or ())):
             yield Chunk("", "error")
             return
         yield Chunk("Ein", None, (), 3, 1)

@@ -20,14 +20,14 @@ class ChatModel:
     """Replies "heard <n> messages" word by word to a chat; records the chats it was sent."""
 
     def __init__(self) -> None:
-        self.chats: list[tuple[tuple[str, str], ...]] = []
+        self.chats: list[tuple[tuple[str, str | None], ...]] = []
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
         assert request.messages is not None and request.stream
-        if request.messages[-1][1] == REFUSED:
+        if request.messages[-1].content == REFUSED:
             yield Refusal("invalid", "the model has no chat template; use /v1/completions", "messages")
             return
-        self.chats.append(request.messages)
+        self.chats.append(tuple((m.role, m.content) for m in request.messages))
         words = ["heard", f" {len(request.messages)}", " messages"]
         yield Chunk("", prompt_tokens=3)
         for i, word in enumerate(words):

@@ -1,0 +1,165 @@
+"""Tool calls as chat models write them: which format a chat template asks for, the grammar that
+forces a call (tool_choice "required" or a named function), and the parser that splits a reply
+into its text and its calls, as the reply streams.
+
+Two formats, as vLLM's tool parsers of the same names read them:
+- "hermes" (Hermes 2 Pro, Qwen2.5): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  any number of them, text before them allowed;
+- "llama3_json" (Llama 3.1 / 3.2): the reply is `{"name": ..., "parameters": {...}}` alone (several
+  separated by ";").
+"""
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jinja2
+from jinja2 import meta
+
+ToolCallFormat = Literal["hermes", "llama3_json"]
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class FunctionTool:
+    """A function the model may call: its parameters are a JSON schema (of an object)."""
+
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def as_template_tool(self) -> dict[str, Any]:
+        """The tool as chat templates read it (OpenAI's `tools` entry)."""
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object's text
+
+
+def tool_call_format(template: str) -> ToolCallFormat | None:
+    """The format a chat template's tool section asks for; None when the template does not read
+    `tools`, or asks for a format not parsed here."""
+    try:
+        variables = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:
+        return None
+    if "tools" not in variables:
+        return None
+    if HERMES_OPEN in template:
+        return "hermes"
+    if "<|python_tag|>" in template or '"parameters": dictionary' in template:
+        return "llama3_json"
+    return None
+
+
+def _call_schema(tools: Sequence[FunctionTool], arguments_key: str) -> dict[str, Any]:
+    """A JSON schema of one call of any of the tools: its name, then arguments that match its parameters."""
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, arguments_key: t.parameters},
+                "required": ["name", arguments_key],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+    }
+
+
+def forced_call_grammar(format: ToolCallFormat, tools: Sequence[FunctionTool], parallel: bool) -> str:
+    """A Lark grammar (llguidance's, with embedded JSON schemas) of a reply made of tool calls of
+    these tools only, in the format: at least one (several when parallel), arguments valid."""
+    if format == "llama3_json":
+        return f"start: %json {json.dumps(_call_schema(tools, 'parameters'))}"
+    call = f'call: "{HERMES_OPEN}\\n" %json {json.dumps(_call_schema(tools, "arguments"))} "\\n{HERMES_CLOSE}"'
+    return ('start: call ("\\n" call)*' if parallel else "start: call") + "\n" + call
+
+
+def _parsed(text: str, arguments_key: str) -> ParsedCall | None:
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get(arguments_key, call.get("arguments", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _held_back(text: str, marker: str) -> int:
+    """The length of text's longest suffix that begins marker (it may be the marker's start)."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])), 0)
+
+
+class ToolCallParser:
+    """A reply's text fed as it streams, split into content and calls. feed() returns the content
+    that is certain to be content and the calls completed; close() what remains at the end (a
+    call cut short, or that does not parse, is content)."""
+
+    def __init__(self, format: ToolCallFormat) -> None:
+        self.format = format
+        self._buffer = ""
+        self._in_call = False  # hermes: inside <tool_call>; llama3_json: the reply is a call
+        self._started = False  # llama3_json: the reply's first non-space character was seen
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        self._buffer += text
+        if self.format == "llama3_json":
+            return self._feed_json()
+        content, calls = "", list[ParsedCall]()
+        while True:
+            if not self._in_call:
+                start = self._buffer.find(HERMES_OPEN)
+                if start < 0:
+                    keep = _held_back(self._buffer, HERMES_OPEN)
+                    content += self._between(self._buffer[: len(self._buffer) - keep], calls)
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
+                    break
+                content += self._between(self._buffer[:start], calls)
+                self._buffer, self._in_call = self._buffer[start + len(HERMES_OPEN) :], True
+            end = self._buffer.find(HERMES_CLOSE)
+            if end < 0:
+                break
+            body, self._buffer, self._in_call = self._buffer[:end], self._buffer[end + len(HERMES_CLOSE) :], False
+            call = _parsed(body.strip(), "arguments")
+            if call is None:
+                content += HERMES_OPEN + body + HERMES_CLOSE
+            else:
+                calls.append(call)
+        self.calls += len(calls)
+        return content, calls
+
+    def _feed_json(self) -> tuple[str, list[ParsedCall]]:
+        if not self._started and self._buffer.strip():
+            self._started, self._in_call = True, self._buffer.lstrip().startswith("{")
+        if self._in_call or not self._started:
+            return "", []
+        content, self._buffer = self._buffer, ""
+        return content, []
+
+    def close(self) -> tuple[str, list[ParsedCall]]:
+        rest, self._buffer = self._buffer, ""
+        if not self._in_call:
+            return self._between(rest, []), []
+        if self.format == "llama3_json":
+            calls = [_parsed(part, "parameters") for part in re.split(r"\s*;\s*(?=\{)", rest.strip())]
+            found = [c for c in calls if c is not None]
+            return ("", found) if found and len(found) == len(calls) else (rest, [])
+        call = _parsed(rest.strip(), "arguments")  # a call whose closing tag never came
+        return ("", [call]) if call else (HERMES_OPEN + rest, [])
+
+    def _between(self, text: str, calls: list[ParsedCall]) -> str:
+        """Text outside calls, less the whitespace between and after calls."""
+        return "" if (self.calls or calls) and not text.strip() else text

@@ -1,0 +1,148 @@
+"""Structured outputs: the tokens a request's grammar allows next, as a mask on its logits.
+
+The grammars run on llguidance (the Rust core of Microsoft's Guidance, one of vLLM's three
+structured-output backends). Chosen over xgrammar (vLLM's default) and outlines-core because it is
+one 3 MB wheel with no dependencies (xgrammar brings triton and a TVM runtime), it reads JSON
+schemas, regular expressions, Lark and GBNF alike, and its parser computes a mask lazily from a
+token trie in tens of microseconds, with no per-schema precomputation over the vocabulary: a new
+schema costs under a millisecond to compile, which this module still does once per schema.
+
+A step's masks are computed on a worker thread while the model computes the step's logits (as vLLM
+overlaps them with the forward), then applied to the rows that sample (`GrammarMasks.apply`); the
+engine advances each request's matcher with the token it sampled.
+"""
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import llguidance
+import torch
+from torch import Tensor
+
+from model.tokenizer import TextTokenizer
+from service.engine.config import StructuredOutput
+from service.engine.errors import InvalidRequestError
+from service.engine.request import Request
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+CACHED_GRAMMARS = 256  # compiled grammars kept, least recently used dropped first
+# Compact JSON (", " and ": " between items, no other whitespace): a small model given room for
+# whitespace may spend its tokens on it.
+JSON_OPTIONS: "JsonCompileOptions" = {"whitespace_flexible": False}
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class _Vocabulary:
+    """What llguidance's TokenizerWrapper reads of a tokenizer: every id's bytes as it follows other
+    text (special ids have none and are listed as special; only an eos among them is ever allowed),
+    and an encoder."""
+
+    def __init__(self, tokenizer: TextTokenizer, eos_id: int) -> None:
+        self.tokens = [tokenizer.piece_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.special_token_ids = [i for i, piece in enumerate(self.tokens) if not piece]
+        self.eos_token_id = eos_id
+        self.bos_token_id = None
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return self._encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
+
+
+def grammar_of(output: StructuredOutput) -> str:
+    """The llguidance grammar of a structured output; ValueError when it is not well-formed."""
+    if output.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(output.spec, defaults=JSON_OPTIONS)
+    if output.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(output.spec)
+    if output.kind == "choice":
+        choices = json.loads(output.spec)
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if output.kind == "grammar":
+        return llguidance.grammar_from("grammar", output.spec)  # Lark, or GBNF converted to Lark
+    return llguidance.LLMatcher.grammar_from_lark(output.spec)
+
+
+class GrammarCompiler:
+    """One engine's grammars: compiled once per structured output (kept while used), and a matcher
+    per request. Thread-safe: requests are checked on the caller's thread, queued on the engine's."""
+
+    def __init__(self, tokenizer: TextTokenizer, eos_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self._eos_ids = sorted(eos_ids)
+        self._vocabulary: llguidance.LLTokenizer | None = None  # built at the first structured request
+        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor = llguidance.LLExecutor()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+    def _compile(self, output: StructuredOutput) -> llguidance.LLMatcher:
+        if self._vocabulary is None:
+            wrapper = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._eos_ids[0]))
+            self._vocabulary = llguidance.LLTokenizer(wrapper, n_vocab=self._tokenizer.vocab_size, eos_token=self._eos_ids)
+        try:
+            grammar = grammar_of(output)
+        except ValueError as error:
+            raise InvalidRequestError(f"{output.param} is not a valid {output.kind}: {error}", output.param) from None
+        problem = llguidance.LLMatcher.validate_grammar(grammar, self._vocabulary)
+        if problem:
+            raise InvalidRequestError(f"{output.param} cannot be compiled: {' '.join(problem.split())}", output.param)
+        matcher = llguidance.LLMatcher(self._vocabulary, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"{output.param} cannot be compiled: {matcher.get_error()}", output.param)
+        return matcher
+
+    def matcher(self, output: StructuredOutput) -> llguidance.LLMatcher:
+        """A fresh matcher of the structured output, at its start; InvalidRequestError (naming
+        output.param) when its grammar does not compile."""
+        with self._lock:
+            compiled = self._compiled.get(output)
+            if compiled is None:
+                compiled = self._compile(output)
+                self._compiled[output] = compiled
+                while len(self._compiled) > CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(output)
+            return compiled.deep_copy()
+
+    def masks(self, requests: list[Request]) -> "GrammarMasks | None":
+        """The next-token masks of the requests that have a matcher, started on the worker thread;
+        None when none has one."""
+        constrained = [r for r in requests if r.grammar is not None]
+        if not constrained:
+            return None
+        width = (self._tokenizer.vocab_size + 31) // 32  # int32 words of one row
+        bitmask = torch.empty(len(constrained), width, dtype=torch.int32)  # (K, W): a bit per token id
+        matchers = [(r.grammar, row) for row, r in enumerate(constrained) if r.grammar is not None]
+        row_bytes = width * 4
+        done = self._worker.submit(self._executor.unsafe_compute_mask_ptr, matchers, bitmask.data_ptr(), row_bytes, len(constrained))
+        return GrammarMasks({r.request_id: row for row, r in enumerate(constrained)}, bitmask, done)
+
+
+class GrammarMasks:
+    """One step's masks: row i of bitmask (K, W) allows token t where bit t % 32 of word t // 32 is set."""
+
+    def __init__(self, rows: dict[str, int], bitmask: Tensor, done: "Future[None]") -> None:
+        self.rows = rows
+        self.bitmask = bitmask
+        self.done = done
+
+    def apply(self, logits: Tensor, request_ids: list[str]) -> None:
+        """logits (R, V), a row per request id in order: each constrained row's disallowed tokens
+        set to -inf in place (ids past the tokenizer's vocabulary are never allowed)."""
+        at = [(i, self.rows[r]) for i, r in enumerate(request_ids) if r in self.rows]
+        if not at:
+            return
+        self.done.result()
+        words = self.bitmask.index_select(0, torch.tensor([row for _, row in at]))  # (K, W)
+        allowed = ((words.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)  # (K, 32 W)
+        vocab = logits.shape[-1]
+        allowed = allowed[:, :vocab] if allowed.shape[1] >= vocab else torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        index = torch.tensor([i for i, _ in at], device=logits.device)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed.to(logits.device), float("-inf")))

@@ -1,0 +1,118 @@
+"""model/tool_calls.py: the format a chat template asks for, the parser of calls in a reply
+(whole, and streamed in pieces cut anywhere), and the grammar that forces a call: every reply it
+allows parses into calls of the given tools with arguments that match their parameters."""
+
+import json
+
+import jsonschema
+import llguidance
+import pytest
+
+from model.tool_calls import FunctionTool, ParsedCall, ToolCallParser, forced_call_grammar, tool_call_format
+
+WEATHER = FunctionTool(
+    "get_weather",
+    "The weather in a city",
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"], "additionalProperties": False},
+)
+TIME = FunctionTool("get_time", None, {"type": "object", "properties": {}, "additionalProperties": False})
+HERMES_REPLY = (
+    'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+CALLS = [ParsedCall("get_weather", '{"city": "Köln"}'), ParsedCall("get_time", "{}")]
+
+
+def parse_in_pieces(format: str, reply: str, size: int) -> tuple[str, list[ParsedCall]]:
+    parser = ToolCallParser(format)  # type: ignore[arg-type]
+    content, calls = "", []
+    for start in range(0, len(reply), size):
+        text, found = parser.feed(reply[start : start + size])
+        content, calls = content + text, calls + found
+    text, found = parser.close()
+    return content + text, calls + found
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
+def test_hermes_calls_are_parsed_however_the_reply_is_cut(size: int) -> None:
+    assert parse_in_pieces("hermes", HERMES_REPLY, size) == ("Let me look.\n", CALLS)
+
+
+def test_text_that_only_starts_like_a_call_is_content() -> None:
+    assert parse_in_pieces("hermes", "a <tool b <tool_call", 1) == ("a <tool b <tool_call", [])
+    assert parse_in_pieces("hermes", "<tool_call>\nnot json\n</tool_call> after", 4) == ("<tool_call>\nnot json\n</tool_call> after", [])
+
+
+def test_a_call_whose_closing_tag_never_came_is_still_a_call_when_it_parses() -> None:
+    reply = '<tool_call>\n{"name": "get_time", "arguments": {}}'
+    assert parse_in_pieces("hermes", reply, 7) == ("", [ParsedCall("get_time", "{}")])
+    assert parse_in_pieces("hermes", '<tool_call>\n{"name": "get_ti', 7) == ('<tool_call>\n{"name": "get_ti', [])
+
+
+def test_llama3_json_replies_are_calls_and_other_replies_content() -> None:
+    reply = ' {"name": "get_weather", "parameters": {"city": "Köln"}}; {"name": "get_time", "parameters": {}}'
+    assert parse_in_pieces("llama3_json", reply, 3) == ("", CALLS)
+    assert parse_in_pieces("llama3_json", "It is sunny.", 3) == ("It is sunny.", [])
+    assert parse_in_pieces("llama3_json", "{not json", 3) == ("{not json", [])
+
+
+def test_the_format_is_read_from_the_template() -> None:
+    assert tool_call_format("{% for t in tools %}<tool_call>{% endfor %}") == "hermes"
+    assert tool_call_format('{% if tools %}{"name": function name, "parameters": dictionary{% endif %}') == "llama3_json"
+    assert tool_call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None  # tools never read
+    assert tool_call_format("{% for t in tools %}{{ t }}{% endfor %}") is None  # a format this server does not parse
+    assert tool_call_format("{% for") is None
+
+
+def byte_tokenizer() -> llguidance.LLTokenizer:
+    """A tokenizer of 256 single-byte tokens and an eos (id 256)."""
+
+    class Bytes:
+        def __init__(self) -> None:
+            self.tokens = [bytes([i]) for i in range(256)] + [b""]
+            self.special_token_ids = [256]
+            self.eos_token_id, self.bos_token_id = 256, None
+
+        def __call__(self, text: str | bytes) -> list[int]:
+            return list(text.encode() if isinstance(text, str) else text)
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()), n_vocab=257)
+
+
+@pytest.mark.parametrize(("format", "parallel"), [("hermes", True), ("hermes", False), ("llama3_json", False)])
+def test_the_forced_grammar_allows_only_calls_of_the_tools_with_valid_arguments(format: str, parallel: bool) -> None:
+    """Random walks through the grammar's allowed bytes end in replies the parser reads as calls
+    of the given tools whose arguments validate against their parameters."""
+    tokenizer = byte_tokenizer()
+    grammar = forced_call_grammar(format, [WEATHER, TIME], parallel)  # type: ignore[arg-type]
+    assert llguidance.LLMatcher.validate_grammar(grammar, tokenizer) == ""
+    schemas = {WEATHER.name: WEATHER.parameters, TIME.name: TIME.parameters}
+    for walk in range(20):
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        reply = bytearray()
+        while not matcher.is_stopped():
+            mask = matcher.compute_bitmask()
+            allowed = [t for t in range(257) if mask[t // 8] >> (t % 8) & 1]
+            if 256 in allowed or len(reply) > 2000:
+                break  # the first place the reply may end (a walk through a string could go on for long)
+            token = allowed[(walk * 7919 + len(reply) * 104729) % len(allowed)]  # a deterministic walk
+            assert matcher.consume_token(token)
+            reply.append(token)
+        assert matcher.is_accepting()
+        content, calls = parse_in_pieces(format, reply.decode(), 4)
+        assert content == "" and calls, reply
+        assert len(calls) == 1 or parallel
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_parallel_calls_follow_one_another() -> None:
+    matcher = llguidance.LLMatcher(byte_tokenizer(), forced_call_grammar("hermes", [WEATHER, TIME], parallel=True), log_level=0)
+    calls = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert matcher.consume_tokens(list((calls + "\n" + calls).encode())) and matcher.is_accepting()
+
+
+def test_a_named_tools_schema_holds_that_tool_alone() -> None:
+    grammar = forced_call_grammar("hermes", [TIME], parallel=False)
+    matcher = llguidance.LLMatcher(byte_tokenizer(), grammar, log_level=0)
+    assert not matcher.consume_tokens(list(b'<tool_call>\n{"name":"get_weather"'))
