@@ -1,0 +1,233 @@
+"""Structured outputs and tool calls through the real app (`python -m service` on Llama-family
+folders built in the test) and the official openai client: `chat.completions.parse` with a
+pydantic model, JSON schemas, choices and regexes, forced and automatic tool calls, streamed and
+not, the tools rendered by the model's own chat template (Qwen2.5's, Hermes-style calls) as
+transformers renders them, and the 400s of what cannot be served."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoTokenizer
+
+from loadtests.cluster import free_port
+from model.hf_tokenizers import FastTextTokenizer
+from tests.hf_folders import build_llama_folder
+
+START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
+# Qwen2.5-Instruct's chat template (its tool section: Hermes-style <tool_call> replies).
+QWEN25_TEMPLATE = (Path(__file__).parent / "qwen25_chat_template.jinja").read_text()
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER_PARAMETERS}},
+    {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+    },
+]
+QUESTION: list[Any] = [{"role": "user", "content": "What is the weather in Verona?"}]
+WEATHER_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Verona", "unit": "celsius"}'},
+}
+HISTORY: list[Any] = [
+    *QUESTION,
+    {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"},
+]
+
+
+class Person(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # no other properties: the output's length is bounded
+    name: str = Field(max_length=10)
+    age: int = Field(ge=0, le=120)
+    mood: Literal["merry", "sad"]
+
+
+@dataclass(frozen=True)
+class Served:
+    url: str
+    qwen: Path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    folders = tmp_path_factory.mktemp("structured")
+    qwen = build_llama_folder(folders / "qwen-tools", architecture="qwen2", max_positions=2048)  # room for the tools' system prompt
+    config_path = qwen / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": QWEN25_TEMPLATE}, indent=1))
+    llama = build_llama_folder(folders / "llama-tiny")  # Llama 3's chat template, which never reads tools
+    port = free_port()
+    command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(free_port()), "--device", "cpu"]
+    command += ["--torch-threads", "1", "--model", f"qwen-tools={qwen}", "--model", f"llama-tiny={llama}"]
+    environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as a user's command starts
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    assert process.stdout is not None
+    lines, deadline = [], time.monotonic() + START_TIMEOUT_S
+    try:
+        for line in process.stdout:  # "Serving on" once every model is ready
+            lines.append(line)
+            if line.startswith("Serving on"):
+                break
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+        assert process.poll() is None, "".join(lines[-30:])
+        yield Served(f"http://127.0.0.1:{port}", qwen)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_parse_with_a_pydantic_model_returns_the_parsed_object(client: openai.OpenAI) -> None:
+    for temperature in (0.0, 1.0):
+        completion = client.chat.completions.parse(
+            model="qwen-tools", messages=QUESTION, response_format=Person, max_tokens=100, temperature=temperature, seed=3
+        )
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "stop"
+        assert isinstance(message.parsed, Person) and message.parsed == Person.model_validate_json(message.content or "")
+
+
+def test_every_output_under_a_json_schema_validates_streamed_or_not(client: openai.OpenAI) -> None:
+    schema = Person.model_json_schema()
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    answer = client.chat.completions.create(
+        model="qwen-tools", messages=QUESTION, response_format=response_format, n=4, max_tokens=100, seed=1
+    )
+    texts = [c.message.content or "" for c in answer.choices]
+    stream = client.chat.completions.create(
+        model="qwen-tools", messages=QUESTION, response_format=response_format, max_tokens=100, stream=True, seed=9
+    )
+    texts.append("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    objects = client.chat.completions.create(model="qwen-tools", messages=QUESTION, response_format={"type": "json_object"}, max_tokens=60)
+    if objects.choices[0].finish_reason == "stop":  # any object: it may be longer than max_tokens
+        assert isinstance(json.loads(objects.choices[0].message.content or ""), dict)
+    else:
+        assert (objects.choices[0].message.content or "").startswith("{")
+
+
+def test_choices_and_regexes_on_completions_and_chat(client: openai.OpenAI) -> None:
+    choice = {"structured_outputs": {"choice": ["Verona", "Mantua", "Padua"]}}
+    completion = client.completions.create(model="qwen-tools", prompt="Where?", max_tokens=10, n=3, seed=2, extra_body=choice)
+    assert all(c.text in ("Verona", "Mantua", "Padua") for c in completion.choices)
+    regex = {"structured_outputs": {"regex": r"\d{1,2}:\d{2} (am|pm)"}}
+    chat = client.chat.completions.create(model="qwen-tools", messages=QUESTION, max_tokens=12, extra_body=regex)
+    assert re.fullmatch(r"\d{1,2}:\d{2} (am|pm)", chat.choices[0].message.content or "")
+
+
+def assert_calls_valid(calls: list[Any], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.id and call.type == "function" and call.function.name in names
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            jsonschema.validate(arguments, WEATHER_PARAMETERS)
+        else:
+            assert arguments == {}
+
+
+def test_a_forced_tool_calls_arguments_validate_streamed_or_not(client: openai.OpenAI) -> None:
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice, names, reason in [(named, {"get_weather"}, "stop"), ("required", {"get_weather", "get_time"}, "tool_calls")]:
+        answer = client.chat.completions.create(
+            model="qwen-tools",
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            parallel_tool_calls=False,  # one call: its length is bounded by the grammar
+            max_tokens=400,
+            n=2,
+            temperature=1.0,
+            seed=4,
+        )
+        for choice in answer.choices:
+            assert choice.finish_reason == reason and not choice.message.content
+            assert_calls_valid(choice.message.tool_calls or [], names)
+            assert tool_choice == "required" or len(choice.message.tool_calls or []) == 1
+        stream = client.chat.completions.create(
+            model="qwen-tools",
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            parallel_tool_calls=False,
+            max_tokens=400,
+            stream=True,
+        )
+        chunks = [c for c in stream if c.choices]
+        calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+        assert [call.index for call in calls] == list(range(len(calls)))
+        assert_calls_valid(calls, names)
+        assert chunks[-1].choices[0].finish_reason == reason
+
+
+def test_automatic_tool_choice_answers_text_or_calls_and_takes_tool_results_back(client: openai.OpenAI) -> None:
+    for messages in (QUESTION, HISTORY):
+        answer = client.chat.completions.create(model="qwen-tools", messages=messages, tools=TOOLS, max_tokens=40, seed=5)
+        choice = answer.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            assert all(isinstance(json.loads(c.function.arguments), dict) for c in choice.message.tool_calls)
+        else:
+            assert isinstance(choice.message.content, str) and choice.finish_reason in ("stop", "length")
+    none = client.chat.completions.create(model="qwen-tools", messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=8)
+    assert none.choices[0].message.tool_calls is None
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as transformers' templates read it: a tool call's arguments as an object."""
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}} for c in message.get("tool_calls") or []
+    ]
+    return {**message, "tool_calls": calls} if calls else message
+
+
+def test_the_tools_are_rendered_by_the_models_template_as_transformers_renders_them(served: Served) -> None:
+    ours = FastTextTokenizer(served.qwen / "tokenizer.json")
+    theirs = AutoTokenizer.from_pretrained(str(served.qwen))
+    template_tools = [{"type": "function", "function": t["function"]} for t in TOOLS]
+    for messages in (QUESTION, HISTORY):
+        history = [template_message(m) for m in messages]
+        expected = theirs.apply_chat_template(history, tools=template_tools, tokenize=False, add_generation_prompt=True)
+        assert ours.render_chat(history, tools=template_tools) == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"model": "qwen-tools", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+         "response_format.json_schema.schema", "cannot be compiled"),
+        ({"model": "qwen-tools", "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "regex"),
+        ({"model": "qwen-tools", "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice", "fly"),
+        ({"model": "llama-tiny", "tools": TOOLS}, "tools", "chat template does not render tools"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_served_is_a_400_naming_the_field(served: Served, body: dict[str, Any], param: str, words: str) -> None:
+    answer = httpx.post(f"{served.url}/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 5, **body}, timeout=60)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"]
