@@ -1,6 +1,6 @@
 """Checkpoint folders: config.json, model.safetensors, tokenizer.model, training.json. Nothing is unpickled.
 
-load_checkpoint also reads Hugging Face folders (MarianMT, GPT-NeoX: model/hf_folder.py); which
+load_checkpoint also reads Hugging Face folders (MarianMT, GPT-NeoX, the Llama family: model/hf/); which
 kind a folder is, model/folder.py tells from its config.json."""
 
 import json
@@ -14,7 +14,7 @@ from torch import nn
 from model.config import GeneratorConfig, ModelConfig, TranslatorConfig
 from model.folder import inspect_folder
 from model.generator import Generator
-from model.hf_folder import load_hf_folder
+from model.hf.load import load_hf_folder
 from model.paths import DEFAULT_GENERATOR as DEFAULT_GENERATOR
 from model.paths import DEFAULT_TRANSLATOR as DEFAULT_TRANSLATOR
 from model.quantize import WeightType as WeightType

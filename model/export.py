@@ -9,11 +9,12 @@ ct2: CTranslate2 models (ctranslate2.Translator / ctranslate2.Generator) built t
 specification API from our weights; they take sentencepiece pieces of our tokenizer.
 
 What makes the exports exact:
+- The weights go through the tables that load Hugging Face folders (model/hf/), backwards.
 - Our sinusoidal table interleaves sin/cos (dims 2i, 2i+1); Marian's puts the sines in the first
   half and the cosines in the second, and recomputes it at load. The export permutes the
   residual stream's dimensions through every weight that reads or writes it (embeddings, the
   inputs of q/k/v and fc1, the outputs of out_proj and fc2, layer norms), so that Marian's hidden
-  state is ours permuted; attention heads and the FFN's inner dimensions are untouched.
+  state is ours permuted (marian_layout); attention heads and the FFN's inner dimensions are untouched.
 - Decoding starts from <s> (id 2): decoder_start_token_id 2 (Marian's own models start from pad).
 - Tied embeddings and output projection; final_logits_bias zero; post-LN; ReLU; sqrt(d) scaling.
 - GPT-NeoX: sequential residual, rotary on every head dimension in the rotate-half layout (ours),
@@ -33,33 +34,32 @@ ignored: its Moses normalisation is never applied when encoding.
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 from torch import Tensor
-from transformers import (
-    GenerationConfig,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    MarianConfig,
-    MarianMTModel,
-    MarianTokenizer,
-    PreTrainedTokenizerFast,
-)
+from transformers import GenerationConfig, GPTNeoXConfig, MarianConfig, MarianTokenizer, PreTrainedTokenizerFast
 
 from model.checkpoint import load_native_checkpoint
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
+from model.hf.gpt_neox import GPT_NEOX
+from model.hf.marian import MARIAN
 from model.layers import DecoderLayer, EncoderLayer
 from model.positions import sinusoidal_table
 from model.tokenizer import BOS_ID, EOS_ID, UNK_ID, Tokenizer
 from model.translator import Translator
 
 SPECIAL_PIECES = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+# Our translator's tensors whose columns (READS) or rows (WRITES) are the residual stream's dimensions.
+READS = ("embed.weight", "lm_head.weight", "qkv_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight", "fc1.weight")
+WRITES = ("out_proj.weight", "out_proj.bias", "fc2.weight", "fc2.bias", "norm.weight", "norm.bias")
 
 
 def marian_permutation(d_model: int) -> Tensor:
@@ -106,6 +106,7 @@ def marian_config(c: TranslatorConfig) -> MarianConfig:
     sides: dict[str, Any] = {f"{side}_{name}": value for side in ("encoder", "decoder") for name, value in both_sides.items()}
     dropouts: dict[str, Any] = dict.fromkeys(("dropout", "attention_dropout", "activation_dropout"), c.dropout)
     return MarianConfig(
+        architectures=list(MARIAN.architectures),
         **sides,
         vocab_size=c.vocab_size,
         decoder_vocab_size=c.vocab_size,
@@ -126,56 +127,20 @@ def marian_config(c: TranslatorConfig) -> MarianConfig:
     )
 
 
-def marian_state_dict(model: Translator) -> dict[str, Tensor]:
-    """Our weights under MarianMTModel's names, the residual stream permuted (see the module doc).
-    Marian's position tables are not included: it computes them itself."""
+def marian_layout(model: Translator) -> tuple[TranslatorConfig, dict[str, Tensor]]:
+    """Our translator as Marian lays it out: the same function with the residual stream permuted
+    (marian_permutation, see the module doc), the sinusoids in halves and a zero logits bias; its
+    config and state dict."""
     p = marian_permutation(model.config.d_model)
-    state: dict[str, Tensor] = {}
-
-    def reads(name: str, weight: Tensor, bias: Tensor | None) -> None:  # input on the residual stream
-        assert bias is not None
-        state[f"{name}.weight"], state[f"{name}.bias"] = weight[:, p], bias
-
-    def writes(name: str, linear: torch.nn.Linear) -> None:  # output on the residual stream
-        state[f"{name}.weight"], state[f"{name}.bias"] = linear.weight[p], linear.bias[p]
-
-    def norm(name: str, layer_norm: torch.nn.Module) -> None:
-        assert isinstance(layer_norm, torch.nn.LayerNorm)
-        state[f"{name}.weight"], state[f"{name}.bias"] = layer_norm.weight[p], layer_norm.bias[p]
-
-    embed = model.embed.weight[:, p]  # (V, d)
-    for name in ["model.shared", "model.encoder.embed_tokens", "model.decoder.embed_tokens", "lm_head"]:
-        state[f"{name}.weight"] = embed
-    state["final_logits_bias"] = torch.zeros(1, model.config.vocab_size)
-    for i, layer in enumerate(model.encoder_layers):
-        assert isinstance(layer, EncoderLayer)
-        prefix = f"model.encoder.layers.{i}"
-        for proj, (weight, bias) in zip(["q_proj", "k_proj", "v_proj"], layer.self_attn.projection_weights(), strict=True):
-            reads(f"{prefix}.self_attn.{proj}", weight, bias)
-        writes(f"{prefix}.self_attn.out_proj", layer.self_attn.out_proj)
-        norm(f"{prefix}.self_attn_layer_norm", layer.attn_residual.norm)
-        reads(f"{prefix}.fc1", layer.feed_forward.fc1.weight, layer.feed_forward.fc1.bias)
-        writes(f"{prefix}.fc2", layer.feed_forward.fc2)
-        norm(f"{prefix}.final_layer_norm", layer.ff_residual.norm)
-    for i, layer in enumerate(model.decoder_layers):
-        assert isinstance(layer, DecoderLayer) and layer.src_attn is not None and layer.src_residual is not None
-        prefix = f"model.decoder.layers.{i}"
-        for attn_name, attn in [("self_attn", layer.self_attn), ("encoder_attn", layer.src_attn)]:
-            # cross-attention keys/values read the encoder's residual stream
-            for proj, (weight, bias) in zip(["q_proj", "k_proj", "v_proj"], attn.projection_weights(), strict=True):
-                reads(f"{prefix}.{attn_name}.{proj}", weight, bias)
-            writes(f"{prefix}.{attn_name}.out_proj", attn.out_proj)
-        norm(f"{prefix}.self_attn_layer_norm", layer.attn_residual.norm)
-        norm(f"{prefix}.encoder_attn_layer_norm", layer.src_residual.norm)
-        reads(f"{prefix}.fc1", layer.feed_forward.fc1.weight, layer.feed_forward.fc1.bias)
-        writes(f"{prefix}.fc2", layer.feed_forward.fc2)
-        norm(f"{prefix}.final_layer_norm", layer.ff_residual.norm)
-    return {k: v.detach().contiguous() for k, v in state.items()}
+    state = {name: t[:, p] if name.endswith(READS) else t[p] if name.endswith(WRITES) else t for name, t in model.state_dict().items()}
+    state["logits_bias"] = torch.zeros(model.config.vocab_size)
+    return replace(model.config, sinusoid_layout="halves", logits_bias=True), state
 
 
 def gpt_neox_config(c: GeneratorConfig) -> GPTNeoXConfig:
     _check_generator(c)
     return GPTNeoXConfig(
+        architectures=list(GPT_NEOX.architectures),
         vocab_size=c.vocab_size,
         hidden_size=c.d_model,
         num_hidden_layers=c.n_layers,
@@ -194,33 +159,6 @@ def gpt_neox_config(c: GeneratorConfig) -> GPTNeoXConfig:
         bos_token_id=c.bos_id,
         eos_token_id=c.eos_id,
     )
-
-
-def gpt_neox_state_dict(model: Generator) -> dict[str, Tensor]:
-    """Our weights under GPTNeoXForCausalLM's names; q, k, v fused per head as [q_h, k_h, v_h]."""
-    c = model.config
-    state: dict[str, Tensor] = {"gpt_neox.embed_in.weight": model.embed.weight, "lm_head.weight": model.embed.weight}
-
-    def copy(name: str, module: torch.nn.Module) -> None:
-        assert isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm))
-        state[f"{name}.weight"], state[f"{name}.bias"] = module.weight, module.bias
-
-    for i, layer in enumerate(model.layers):
-        assert isinstance(layer, DecoderLayer)
-        prefix = f"gpt_neox.layers.{i}"
-        attn = layer.self_attn
-        assert attn.qkv_proj.bias is not None
-        weights = attn.qkv_proj.weight.view(3, c.n_heads, c.head_dim, c.d_model).transpose(0, 1)  # (H, 3, D, d)
-        biases = attn.qkv_proj.bias.view(3, c.n_heads, c.head_dim).transpose(0, 1)  # (H, 3, D)
-        state[f"{prefix}.attention.query_key_value.weight"] = weights.reshape(3 * c.d_model, c.d_model)
-        state[f"{prefix}.attention.query_key_value.bias"] = biases.reshape(3 * c.d_model)
-        copy(f"{prefix}.attention.dense", attn.out_proj)
-        copy(f"{prefix}.input_layernorm", layer.attn_residual.norm)
-        copy(f"{prefix}.post_attention_layernorm", layer.ff_residual.norm)
-        copy(f"{prefix}.mlp.dense_h_to_4h", layer.feed_forward.fc1)
-        copy(f"{prefix}.mlp.dense_4h_to_h", layer.feed_forward.fc2)
-    copy("gpt_neox.final_layer_norm", model.final_norm)
-    return {k: v.detach().contiguous() for k, v in state.items()}
 
 
 def _generation_config(c: TranslatorConfig | GeneratorConfig, encoder_decoder: bool) -> GenerationConfig:
@@ -286,19 +224,19 @@ def export_hf(checkpoint: Path, out: Path) -> None:
     """Writes a transformers folder (config, safetensors weights, generation config, tokenizer)."""
     model, tokenizer = load_native_checkpoint(checkpoint)
     out.mkdir(parents=True, exist_ok=True)
-    hf_model: MarianMTModel | GPTNeoXForCausalLM
+    hf_config: MarianConfig | GPTNeoXConfig
     if isinstance(model, Translator):
-        hf_model = MarianMTModel(marian_config(model.config))
-        state = marian_state_dict(model)
+        hf_config = marian_config(model.config)
+        tensors = MARIAN.table.export(*marian_layout(model))
         save_marian_tokenizer(tokenizer, out, model.config.max_len)
     else:
-        hf_model = GPTNeoXForCausalLM(gpt_neox_config(model.config))
-        state = gpt_neox_state_dict(model)
+        hf_config = gpt_neox_config(model.config)
+        tensors = GPT_NEOX.table.export(model.config, model.state_dict())
         save_fast_tokenizer(tokenizer, out, model.config.max_len)
-    missing, unexpected = hf_model.load_state_dict(state, strict=False)
-    assert not unexpected and all("embed_positions" in k for k in missing), (missing, unexpected)
-    hf_model.generation_config = _generation_config(model.config, isinstance(model, Translator))
-    hf_model.save_pretrained(str(out))
+    # Clones: the parts of a stack (q, k and v of qkv_proj) share its memory, which safetensors refuses.
+    save_file({name: t.clone() for name, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(str(out))
+    _generation_config(model.config, isinstance(model, Translator)).save_pretrained(str(out))
 
 
 def _linear(spec: Any, weight: Tensor, bias: Tensor | None = None) -> None:

@@ -3,46 +3,23 @@ configuration reads it in processes that never load a model.
 
 Two kinds of folder:
 - ours (model.checkpoint): config.json with "architecture" TranslatorConfig or GeneratorConfig;
-- Hugging Face's: config.json with "architectures" (MarianMTModel, GPTNeoXForCausalLM, the Llama
-  family: LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM), weights
-  as safetensors (one file or shards with model.safetensors.index.json) or pytorch_model.bin, and
-  the tokenizer's files. A translator's languages come from tokenizer_config.json
-  (source_lang / target_lang).
+- Hugging Face's: config.json with "architectures" naming one that model/hf/registry.py lists
+  (MarianMTModel, GPTNeoXForCausalLM, the Llama family), weights as safetensors (one file or
+  shards with model.safetensors.index.json) or pytorch_model.bin, and the tokenizer's files. A
+  translator's languages come from tokenizer_config.json (source_lang / target_lang).
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
-ModelKind = Literal["translator", "generator"]
+from model.folder_base import CheckpointError as CheckpointError
+from model.folder_base import ModelKind as ModelKind
+from model.folder_base import read_json as read_json
+from model.hf.registry import ADAPTERS, NOT_YET_SUPPORTED
 
 OUR_ARCHITECTURES: dict[str, ModelKind] = {"TranslatorConfig": "translator", "GeneratorConfig": "generator"}
-HF_ARCHITECTURES: dict[str, ModelKind] = {
-    "MarianMTModel": "translator",
-    "GPTNeoXForCausalLM": "generator",
-    "LlamaForCausalLM": "generator",
-    "Qwen2ForCausalLM": "generator",
-    "MistralForCausalLM": "generator",
-}
-# Architectures people bring that are not served yet, with what to say.
-NOT_YET_SUPPORTED = (
-    "T5ForConditionalGeneration",
-    "BartForConditionalGeneration",
-    "M2M100ForConditionalGeneration",
-    "GemmaForCausalLM",
-    "Qwen3ForCausalLM",
-    "Phi3ForCausalLM",
-)
 # ISO 639-2/3 codes some opus-mt folders use, to the two-letter codes clients send.
 TWO_LETTER = {"eng": "en", "deu": "de", "ger": "de", "fra": "fr", "fre": "fr", "ces": "cs", "cze": "cs", "spa": "es", "ita": "it"}
-
-
-class CheckpointError(ValueError):
-    """A folder that cannot be served; str() is one line naming the file and the problem."""
-
-    def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -52,19 +29,6 @@ class FolderInfo:
     hugging_face: bool
     source_lang: str | None = None  # translators only; None when the folder does not say
     target_lang: str | None = None
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from path, or CheckpointError saying why not."""
-    if not path.is_file():
-        raise CheckpointError(path, "missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(path, f"not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(path, "not a JSON object")
-    return data
 
 
 def language_code(code: str) -> str:
@@ -89,17 +53,17 @@ def inspect_folder(path: Path) -> FolderInfo:
     if not isinstance(architectures, list) or not architectures:
         raise CheckpointError(path / "config.json", 'names no "architectures" (nor our "architecture")')
     name = str(architectures[0])
-    kind = HF_ARCHITECTURES.get(name)
-    if kind is None:
+    adapter = ADAPTERS.get(name)
+    if adapter is None:
         later = " (not supported yet)" if name in NOT_YET_SUPPORTED else ""
-        supported = ", ".join(HF_ARCHITECTURES)
+        supported = ", ".join(ADAPTERS)
         raise CheckpointError(path / "config.json", f"unknown architecture {name!r}{later}; supported: {supported}")
-    if kind == "generator":
-        return FolderInfo(kind, name, hugging_face=True)
+    if adapter.kind == "generator":
+        return FolderInfo(adapter.kind, name, hugging_face=True)
     tokenizer_config = read_json(path / "tokenizer_config.json")
     source, target = (tokenizer_config.get(key) for key in ("source_lang", "target_lang"))
     return FolderInfo(
-        kind,
+        adapter.kind,
         name,
         True,
         language_code(source) if isinstance(source, str) else None,

@@ -42,7 +42,7 @@ from transformers import (
 
 from model.data import SHARED_DATA, read_lines
 from model.folder import CheckpointError
-from model.hf_folder import load_hf_folder
+from model.hf.load import load_hf_folder
 
 SENTENCES = 3000  # training sentences per language
 MARIAN_SPECIAL = ["</s>", "<unk>"]  # ids 0 and 1, as opus-mt; <pad> is the last id

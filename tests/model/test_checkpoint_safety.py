@@ -82,4 +82,4 @@ def test_nothing_is_unpickled_but_through_weights_only(package: str) -> None:
     for path, call in loads:
         weights_only = [k.value for k in call.keywords if k.arg == "weights_only"]
         assert len(weights_only) == 1 and isinstance(weights_only[0], ast.Constant) and weights_only[0].value is True, path
-    assert sorted(path for path, _ in loads) == (["model/hf_folder.py", "model/train.py"] if package == "model" else [])
+    assert sorted(path for path, _ in loads) == (["model/hf/load.py", "model/train.py"] if package == "model" else [])

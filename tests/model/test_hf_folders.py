@@ -1,7 +1,8 @@
 """Hugging Face folders load exactly into our modules: a MarianMT (opus-mt's shape) and a GPT-NeoX
 (Pythia's) built in tests/hf_folders.py give transformers' logits, greedy outputs and tokenizer ids;
-our shipped checkpoints exported with model.export come back with their own logits; folders that
-cannot be served raise a one-line CheckpointError naming the file."""
+exported again through the same tables they give the folder's tensors back; our shipped checkpoints
+exported with model.export come back with their own logits; folders that cannot be served raise a
+one-line CheckpointError naming the file."""
 
 import json
 import shutil
@@ -9,13 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint, load_native_checkpoint
 from model.data import SHARED_DATA, read_lines
 from model.export import export_hf
+from model.folder import inspect_folder
 from model.generator import Generator
+from model.hf import load
+from model.hf.registry import ADAPTERS
 from model.hf_tokenizers import FastTextTokenizer, MarianTextTokenizer
 from model.packed_linear import PackedLinear, pack_linear_layers, packing_available
 from model.quantize import Int8Linear, quantize_int8
@@ -52,6 +56,25 @@ def loaded_generator(folder: Path) -> tuple[Generator, TextTokenizer]:
     return model, tokenizer
 
 
+def assert_export_after_load_gives_the_folders_tensors(folder: Path, dtype: torch.dtype = torch.float32) -> None:
+    """Loading folder in dtype (its weights') then exporting through its adapter's table gives every
+    tensor of the folder back: the same names, shapes, dtypes and values."""
+    model, _ = load_checkpoint(folder, "cpu", dtype)
+    exported = ADAPTERS[inspect_folder(folder).architecture].table.export(model.config, model.state_dict())
+    held = {name: tensor for file in folder.glob("*.safetensors") for name, tensor in load_file(str(file)).items()}
+    assert exported.keys() == held.keys()
+    for name, tensor in held.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
+def in_bfloat16(folder: Path, out: Path) -> Path:
+    """A copy of folder with its weights stored in bfloat16."""
+    shutil.copytree(folder, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file({name: t.to(torch.bfloat16) for name, t in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def right_padded(rows: list[list[int]], pad_id: int) -> torch.Tensor:
     width = max(map(len, rows))
     return torch.tensor([row + [pad_id] * (width - len(row)) for row in rows])
@@ -85,6 +108,32 @@ def test_gpt_neox_logits_equal_transformers(gpt_neox_folder: Path) -> None:
     ids = torch.tensor([tokenizer.encode("".join(shakespeare_lines()[-40 * (i + 1) :]))[:50] for i in range(4)])
     with torch.no_grad():
         assert (model(ids) - hf(input_ids=ids).logits).abs().max() <= ATOL
+
+
+def test_marian_export_after_load_gives_the_folders_tensors_back(marian_folder: Path, tmp_path: Path) -> None:
+    """q/k/v stacked into qkv_proj and split again, final_logits_bias (1, V) as (V,) and back; in float32
+    and bfloat16. A folder holding the shared embedding as the encoder's loads alike."""
+    assert_export_after_load_gives_the_folders_tensors(marian_folder)
+    assert_export_after_load_gives_the_folders_tensors(in_bfloat16(marian_folder, tmp_path / "bf16"), torch.bfloat16)
+    aliased = Path(shutil.copytree(marian_folder, tmp_path / "aliased"))
+    tensors = load_file(str(aliased / "model.safetensors"))
+    tensors["model.encoder.embed_tokens.weight"] = tensors.pop("model.shared.weight")
+    save_file(tensors, str(aliased / "model.safetensors"))
+    reference = loaded_translator(marian_folder)[0].state_dict()
+    assert all(torch.equal(t, reference[name]) for name, t in loaded_translator(aliased)[0].state_dict().items())
+
+
+def test_gpt_neox_export_after_load_gives_the_folders_tensors_back(gpt_neox_folder: Path, tmp_path: Path) -> None:
+    """query_key_value's per-head rows regrouped into qkv_proj and back; in float32 and bfloat16."""
+    assert_export_after_load_gives_the_folders_tensors(gpt_neox_folder)
+    assert_export_after_load_gives_the_folders_tensors(in_bfloat16(gpt_neox_folder, tmp_path / "bf16"), torch.bfloat16)
+
+
+def test_tensors_read_a_few_rows_at_a_time_load_alike(gpt_neox_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = loaded_generator(gpt_neox_folder)[0].state_dict()
+    monkeypatch.setattr(load, "CHUNK_BYTES", 1000)  # 3 rows of the (832, 64) float32 embeddings at a time
+    assert_export_after_load_gives_the_folders_tensors(gpt_neox_folder)
+    assert all(torch.equal(t, whole[name]) for name, t in loaded_generator(gpt_neox_folder)[0].state_dict().items())
 
 
 def greedy(model: Translator | Generator, prompt: list[int], src: list[int] | None = None) -> list[int]:
@@ -205,6 +254,7 @@ def test_sharded_safetensors_and_a_plain_pytorch_bin_load_alike(gpt_neox_folder:
     with torch.no_grad():
         for folder in (sharded, pickled):
             assert torch.equal(loaded_generator(folder)[0](ids), reference(ids))
+    assert_export_after_load_gives_the_folders_tensors(sharded)
 
 
 def test_packed_and_int8_models_keep_an_untied_head_and_the_logits_bias(marian_folder: Path, gpt_neox_folder: Path) -> None:
@@ -263,6 +313,10 @@ def test_unservable_folders_raise_one_line_naming_the_file(marian_folder: Path, 
     tensors["gpt_neox.extra.weight"] = torch.ones(1)
     torch.save(tensors, renamed / "pytorch_model.bin")
     one_line_error(renamed, "unexpected weights: gpt_neox.extra.weight")
+    del tensors["gpt_neox.extra.weight"]
+    tensors["gpt_neox.layers.1.attention.query_key_value.weight"] = torch.ones(192, 65)
+    torch.save(tensors, renamed / "pytorch_model.bin")
+    one_line_error(renamed, "misshapen weights: gpt_neox.layers.1.attention.query_key_value.weight (192, 65) (expected (192, 64))")
 
     pre_ln = copy("pre-ln", marian_folder)
     config = json.loads((pre_ln / "config.json").read_text())

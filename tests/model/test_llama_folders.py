@@ -2,8 +2,9 @@
 Qwen2ForCausalLM and MistralForCausalLM folders built in tests/hf_folders.py (grouped-query
 attention, head sizes other than d/H, q/k/v biases, scaled RoPE, tied and untied outputs, two eos
 ids) give transformers' logits, through our KV cache too, its greedy outputs, its tokenizer's ids
-(bos included) and its rendered chat templates; the explicit attention path, packed and int8 weights
-run them; unsupported options raise a CheckpointError naming them."""
+(bos included) and its rendered chat templates; exported again through the same table they give the
+folder's tensors back; the explicit attention path, packed and int8 weights run them; unsupported
+options raise a CheckpointError naming them."""
 
 import json
 import shutil
@@ -16,13 +17,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from model.chat_template import ChatTemplateError
 from model.config import GeneratorConfig
 from model.generator import Generator
-from model.hf_folder import load_hf_folder
+from model.hf.load import load_hf_folder
 from model.hf_tokenizers import FastTextTokenizer
 from model.kv_cache import KVCache
 from model.packed_linear import pack_linear_layers, packing_available
 from model.quantize import quantize_int8
 from tests.hf_folders import EOS, EOT, build_llama_folder, one_line_error, shakespeare_lines
-from tests.model.test_hf_folders import tokenizer_texts
+from tests.model.test_hf_folders import assert_export_after_load_gives_the_folders_tensors, in_bfloat16, tokenizer_texts
 
 ATOL = 1e-4
 NEW_TOKENS = 20
@@ -106,6 +107,19 @@ def test_logits_equal_transformers_whole_and_through_the_kv_cache(folders: dict[
             position = torch.full((3, 1), t)
             step = model(ids[:, t : t + 1], position, list(cache.views(slots, position, t + 1)), t + 1)
             assert (step[:, 0] - full[:, t]).abs().max() <= ATOL, t
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_export_after_load_gives_the_folders_tensors_back(folders: dict[str, Path], variant: str) -> None:
+    """q/k/v (grouped-query, biased or not) stacked into qkv_proj and split again, a tied head left out."""
+    assert_export_after_load_gives_the_folders_tensors(folders[variant])
+
+
+def test_a_bfloat16_folder_loads_and_exports_in_bfloat16(folders: dict[str, Path], tmp_path: Path) -> None:
+    folder = in_bfloat16(folders["llama"], tmp_path / "bf16")
+    assert_export_after_load_gives_the_folders_tensors(folder, torch.bfloat16)
+    model, _ = load_hf_folder(folder, "cpu", torch.bfloat16)
+    assert {t.dtype for t in [*model.parameters(), *model.buffers()]} == {torch.bfloat16}
 
 
 def greedy(model: Generator, prompt: list[int]) -> list[int]:
