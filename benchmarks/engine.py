@@ -21,7 +21,7 @@ from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpo
 from model.data import SHARED_DATA, read_lines
 from model.generator import Generator
 from model.reference_decoding import generate_greedy_uncached
-from model.sampling import GREEDY
+from model.sampling_params import GREEDY
 from service.engine.config import BatchingPolicy, EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request

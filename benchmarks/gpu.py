@@ -67,7 +67,7 @@ from model.data import SHARED_DATA, read_lines
 from model.export import export_hf
 from model.generator import Generator
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.sampling import GREEDY
+from model.sampling_params import GREEDY
 from model.translate import max_new_tokens_for, pad_batch
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine

@@ -76,7 +76,7 @@ from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, 
 from model.data import SHARED_DATA, read_lines
 from model.export import export_ct2, export_hf
 from model.folder import CheckpointError, FolderInfo, ModelKind, inspect_folder, read_json
-from model.sampling import GREEDY
+from model.sampling_params import GREEDY
 from model.tokenizer import Tokenizer
 from model.translate import max_new_tokens_for
 from service.engine.config import EngineConfig, serving_context

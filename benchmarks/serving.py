@@ -42,7 +42,7 @@ import httpx
 import torch
 from httpx_sse import aconnect_sse
 
-from model.sampling import GREEDY
+from model.sampling_params import GREEDY
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
 from service.engine.async_engine import AsyncEngine
 from service.engine.engine import Engine

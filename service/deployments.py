@@ -17,7 +17,6 @@ from ray import serve
 
 from model.chat_template import ChatTemplateError
 from model.checkpoint import WeightType
-from model.sampling import SamplingParams
 from model.tokenizer import TextTokenizer
 from model.tool_calls import FunctionTool, ToolCallParser, forced_call_grammar, tool_call_format
 from service.config import ModelServingConfig
@@ -60,20 +59,10 @@ def resolve_device(config: ModelServingConfig) -> tuple[str, WeightType]:
 def generation_params(request: GenerateRequest) -> GenerationParams:
     """The engine's parameters. The prompt is scored when echo comes with logprobs, or alone
     (max_tokens 0), when its token count is all the answer needs besides its text."""
-    sampling = SamplingParams(
-        temperature=request.temperature,
-        top_k=request.top_k,
-        top_p=request.top_p,
-        seed=request.seed,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
-        logit_bias=request.logit_bias,
-    )
     scores_prompt = request.echo and (request.logprobs is not None or request.max_tokens == 0)
     return GenerationParams(
         max_tokens=request.max_tokens,
-        sampling=sampling,
+        sampling=request.sampling,
         stop=request.stop,
         beam_size=request.beam_size,
         n_best=request.n_best,

@@ -7,7 +7,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -97,8 +97,8 @@ class RayBackend:
             self.on_failure("overloaded")
             yield Refusal("overloaded", "the model's queue is full; retry later")
             return
-        if request.temperature > 0 and request.seed is None:
-            request = replace(request, seed=secrets.randbits(63))
+        if not request.sampling.greedy and request.sampling.seed is None:
+            request = request.seeded(secrets.randbits(63))
         deadline = time.monotonic() + self.retries.deadline_s
         self.load.in_flight += 1
         try:

@@ -14,16 +14,16 @@ A replica's `generate(GenerateRequest)` is a stream that yields exactly one of:
 Closing the stream early cancels the request; it stops using the model within one step.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from model.sampling_params import SamplingParams
 from service.engine.config import FinishReason, StructuredOutput, TokenLogprob
 
 # invalid: the request can never be served as asked (HTTP 400); overloaded: the replica's queue is
 # full, retry later (429); unavailable: the replica's engine is not running (503).
 RefusalKind = Literal["invalid", "overloaded", "unavailable"]
 
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's; translation routes ask for 0 (greedy) or beam search
 
 # tools: "none" generates freely and returns text; "auto" lets the model call tools (parsed from its
 # reply); "required" (or GenerateRequest.tool_name) constrains the reply to calls (to that function).
@@ -65,14 +65,9 @@ class GenerateRequest:
     # assistant's turn opened), encoded without adding special tokens, as transformers does.
     messages: tuple[ChatMessage, ...] | None = None
     max_tokens: int | None = None  # None: the model's default for this input (decided by the engine)
-    temperature: float = DEFAULT_TEMPERATURE  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no limit
-    seed: int | None = None
-    presence_penalty: float = 0.0  # model/sampling.py SamplingParams: the penalties on tokens already seen
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # Temperature (1.0 by default, as OpenAI's; translation asks for GREEDY or beam search), top-k,
+    # top-p, seed, penalties and logit bias, as the engine applies them.
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     min_tokens: int = 0  # service/engine/request.py GenerationParams
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
@@ -91,6 +86,10 @@ class GenerateRequest:
     tool_choice: ToolChoice = "auto"
     tool_name: str | None = None  # the one function the reply must call
     parallel_tool_calls: bool = True
+
+    def seeded(self, seed: int) -> "GenerateRequest":
+        """The same request sampling with this seed."""
+        return replace(self, sampling=replace(self.sampling, seed=seed))
 
 
 @dataclass(frozen=True)

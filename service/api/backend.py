@@ -135,13 +135,21 @@ async def open_stream(backend: ModelBackend, request: GenerateRequest, retry_aft
         raise refusal_error(first, retry_after)
     if first.finish_reason == "timeout":
         await stream.aclose()
-        raise timeout_error(retry_after)
+        raise ended_in_failure(first, "request", retry_after)
     return _chunks(first, stream, retry_after)
 
 
-def timeout_error(retry_after: int) -> APIError:
-    """A request that passed the engine's deadline before its answer began: 503, come back later."""
-    return APIError(503, "the request timed out waiting for the model; retry later", None, retry_after, counted=True)
+def ended_in_failure(chunk: Chunk, what: str, retry_after: int | None = None) -> APIError:
+    """The HTTP error of a chunk that ends a request in failure: the engine's ("error") a 500 (the
+    replica counted it), a deadline passed ("timeout") a 503 to retry (after retry_after, when the
+    answer has not begun: a stream ends with an error event instead)."""
+    if chunk.finish_reason == "timeout":
+        return APIError(503, f"the {what} timed out waiting for the model; retry later", None, retry_after, counted=True)
+    return APIError(500, f"internal error during {what}", counted=True)
+
+
+def failed(chunk: Chunk) -> bool:
+    return chunk.finish_reason in ("error", "timeout")
 
 
 async def _chunks(first: Chunk, rest: AsyncGenerator[Chunk | Refusal, None], retry_after: int) -> AsyncGenerator[Chunk, None]:
@@ -158,20 +166,18 @@ async def _chunks(first: Chunk, rest: AsyncGenerator[Chunk | Refusal, None], ret
         await rest.aclose()
 
 
-async def final_chunk(stream: AsyncGenerator[Chunk, None], failure: str, retry_after: int) -> Chunk:
+async def final_chunk(stream: AsyncGenerator[Chunk, None], what: str, retry_after: int) -> Chunk:
     """The stream read to its end, as one chunk holding all the text; the stream is closed (its
-    request cancelled) on the way out. A request that failed in the engine is a 500, one past its
-    deadline a 503 (nothing has been answered yet)."""
+    request cancelled) on the way out. A failure is ended_in_failure's error (nothing has been
+    answered yet)."""
     whole: Chunk | None = None
     try:
         async for chunk in stream:
-            if chunk.finish_reason == "error":
-                raise APIError(500, failure, counted=True)  # the replica counted it
-            if chunk.finish_reason == "timeout":
-                raise timeout_error(retry_after)
+            if failed(chunk):
+                raise ended_in_failure(chunk, what, retry_after)
             whole = chunk if whole is None else whole.followed_by(chunk)
             if whole.finish_reason is not None:
                 return whole
-        raise APIError(500, f"{failure}: the stream ended without a result")
+        raise APIError(500, f"internal error during {what}: the stream ended without a result")
     finally:
         await stream.aclose()

@@ -8,6 +8,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 
+from model.sampling_params import GREEDY
 from service.api.backend import MODEL_EXTENSION
 from service.api.errors import APIError
 from service.api.language_id import detect_languages
@@ -103,7 +104,7 @@ async def libretranslate(request: Request) -> dict[str, Any]:
     plain = [plain_text(t, body.format) for t in texts] if body.source == "auto" else []
     model, detected = translator_for(config, None, body.source, body.target, "\n".join(plain), ("source", "target"))
     beam_size = max(config.default_beam_size, body.alternatives + 1)
-    template = GenerateRequest(text="", temperature=0.0, beam_size=beam_size, n_best=body.alternatives + 1)
+    template = GenerateRequest(text="", sampling=GREEDY, beam_size=beam_size, n_best=body.alternatives + 1)
     results = await translate_documents(request.app.state.backends.models[model.name], config, texts, body.format, template, "q")
     answer: dict[str, Any]
     if isinstance(body.q, list):

@@ -7,13 +7,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.backend import MODEL_EXTENSION, Backends, answered, final_chunk, open_streams
+from model.sampling_params import SamplingParams
+from service.api.backend import MODEL_EXTENSION, Backends, answered, ended_in_failure, failed, final_chunk, open_streams
 from service.api.errors import APIError
 from service.api.routing import model_by_name, model_of_any_kind
 from service.api.schemas import (
@@ -81,14 +82,16 @@ def sampling_fields(body: SamplingRequest) -> dict[str, Any]:
         max_tokens = body.max_completion_tokens or max_tokens
     return {
         "max_tokens": max_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": max(body.top_k, 0),
-        "seed": body.seed,
-        "presence_penalty": body.presence_penalty,
-        "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty,
-        "logit_bias": tuple((int(token), bias) for token, bias in (body.logit_bias or {}).items()),
+        "sampling": SamplingParams(
+            temperature=body.temperature,
+            top_k=max(body.top_k, 0),
+            top_p=body.top_p,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=tuple((int(token), bias) for token, bias in (body.logit_bias or {}).items()),
+        ),
         "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos,
         "stop": tuple(body.stop or ()),
@@ -201,7 +204,8 @@ def generate_requests(body: CompletionRequest) -> list[GenerateRequest]:
 
 def choices(request: GenerateRequest, n: int) -> list[GenerateRequest]:
     """n independent samples of one request: with a seed, choice i samples with seed + i."""
-    return [request if request.seed is None else replace(request, seed=(request.seed + i) % 2**63) for i in range(n)]
+    seed = request.sampling.seed
+    return [request if seed is None else request.seeded((seed + i) % 2**63) for i in range(n)]
 
 
 def stream_flags(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
@@ -296,7 +300,7 @@ def chat_finish(reason: FinishReason | None, called: bool) -> str | None:
 
 async def final_chunks(streams: list[AsyncGenerator[Chunk, None]], retry_after: int) -> list[Chunk]:
     """Each choice's stream read to its end; any failure closes the others and is raised."""
-    tasks = [asyncio.ensure_future(final_chunk(s, "internal error during generation", retry_after)) for s in streams]
+    tasks = [asyncio.ensure_future(final_chunk(s, "generation", retry_after)) for s in streams]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -402,11 +406,8 @@ async def stream_choices(
     latest: dict[int, Chunk] = {}
     try:
         async for index, chunk in merged(streams):
-            if chunk.finish_reason == "error":
-                yield sse_error("internal error during generation", 500)
-                break
-            if chunk.finish_reason == "timeout":
-                raise APIError(503, "the request timed out; retry later", counted=True)
+            if failed(chunk):
+                raise ended_in_failure(chunk, "generation")
             first = index not in latest
             latest[index] = chunk
             so_far = {"usage": usage(latest, n)} if continuous_usage else {}

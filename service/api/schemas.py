@@ -7,7 +7,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 from pydantic.alias_generators import to_camel
 from pydantic.json_schema import SkipJsonSchema
 
-from service.protocol import DEFAULT_TEMPERATURE
+from model.sampling_params import SamplingParams
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False, strict=False)]
 
@@ -100,7 +100,7 @@ class SamplingRequest(StrictModel):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: StrictStr | None = None  # omitted: the first generator (as vLLM serves its one model)
-    temperature: FiniteFloat = Field(DEFAULT_TEMPERATURE, ge=0.0, le=2.0)
+    temperature: FiniteFloat = Field(SamplingParams.temperature, ge=0.0, le=2.0)  # OpenAI's default, 1.0
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1)  # vLLM extension; 0 or -1: no limit
     n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)  # independent samples (seed + i each, when a seed is given)

@@ -97,7 +97,7 @@ async def translate_texts(
     async def translate_one(sentence: str) -> Chunk:
         async with window:
             stream = await open_stream(backend, replace(template, text=sentence), config.retry_after_seconds)
-            return await final_chunk(stream, "internal error during translation", config.retry_after_seconds)
+            return await final_chunk(stream, "translation", config.retry_after_seconds)
 
     tasks = [asyncio.ensure_future(translate_one(s)) for s in sentences]
     try:

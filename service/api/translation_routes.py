@@ -10,7 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from service.api.backend import MODEL_EXTENSION, Backends, ModelBackend, attention_map, open_stream, open_streams
+from model.sampling_params import GREEDY
+from service.api.backend import MODEL_EXTENSION, Backends, ModelBackend, attention_map, ended_in_failure, failed, open_stream, open_streams
 from service.api.errors import APIError
 from service.api.routing import translator_for
 from service.api.schemas import MODEL_ERRORS, TranslateChunk, TranslateRequest, TranslateResponse, event_stream
@@ -56,7 +57,7 @@ async def translate(body: TranslateRequest, request: Request) -> Any:
     template = GenerateRequest(
         text="",
         max_tokens=body.max_tokens,  # per sentence
-        temperature=0.0,
+        sampling=GREEDY,
         beam_size=beam_size,
         n_best=body.alternatives + 1,
         length_penalty=body.length_penalty,
@@ -148,10 +149,8 @@ async def stream_sentences(
             stream = streams.popleft()
             prefix, position = text[position : span.start], span.end
             async for chunk in stream:
-                if chunk.finish_reason == "error":
-                    raise APIError(500, "internal error during translation", counted=True)
-                if chunk.finish_reason == "timeout":
-                    raise APIError(503, "the translation timed out; retry later", counted=True)
+                if failed(chunk):
+                    raise ended_in_failure(chunk, "translation")
                 piece, prefix = prefix + chunk.text, ""
                 frame: dict[str, Any] = {"text": piece, "finish_reason": None}
                 if chunk.finish_reason is not None:

@@ -8,7 +8,7 @@ import llguidance
 import torch
 
 from model.beam_search import BeamState
-from model.sampling import SamplingParams
+from model.sampling_params import SamplingParams
 from service.engine.config import FinishReason, StructuredOutput, TokenLogprob
 
 

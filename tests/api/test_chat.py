@@ -25,7 +25,7 @@ class EchoModel:
             yield Refusal("invalid", "the model has no chat template; use /v1/completions", "messages")
             return
         text = request.messages[-1].content if request.messages is not None else request.text
-        words = [f"{request.seed}:", *(" " + w for w in text.split())]
+        words = [f"{request.sampling.seed}:", *(" " + w for w in text.split())]
         yield Chunk("", prompt_tokens=5)
         for i, word in enumerate(words):
             yield Chunk(word, "stop" if i == len(words) - 1 else None, prompt_tokens=5, completion_tokens=i + 1)
@@ -186,5 +186,6 @@ def test_penalties_bias_min_tokens_and_ignore_eos_reach_the_model(api: tuple[Tes
     assert http.post("/v1/completions", json={"prompt": "x", **penalties}).status_code == 200
     assert http.post("/v1/chat/completions", json={"messages": MESSAGES, **penalties}).status_code == 200
     for request in model.requests:
-        assert (request.presence_penalty, request.frequency_penalty, request.repetition_penalty) == (0.5, -0.5, 1.2)
-        assert (request.min_tokens, request.ignore_eos, request.logit_bias) == (2, True, ((5, -100.0),))
+        sampling = request.sampling
+        assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.5, 1.2)
+        assert (request.min_tokens, request.ignore_eos, request.sampling.logit_bias) == (2, True, ((5, -100.0),))

@@ -129,7 +129,7 @@ def test_prompts_as_token_ids_and_batches_of_prompts_each_with_n_choices(api: tu
     model.requests.clear()
     answer = complete(http, prompt=[[72, 105], [79]], n=2, max_tokens=1, seed=7)
     assert [r.prompt_ids for r in model.requests] == [(72, 105), (72, 105), (79,), (79,)]  # prompt by prompt
-    assert [r.seed for r in model.requests] == [7, 8, 7, 8]
+    assert [r.sampling.seed for r in model.requests] == [7, 8, 7, 8]
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
     assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}  # each prompt once
     texts = complete(http, prompt=["Hi", "O"], max_tokens=2)["choices"]

@@ -10,6 +10,7 @@ import pytest
 
 from service.api.app import create_api
 from service.config import ServiceConfig
+from service.engine.config import StructuredOutput
 from service.protocol import Chunk, GenerateRequest, Refusal
 from tests.helpers import backends_for, served_in_thread
 
@@ -21,6 +22,7 @@ class ChatModel:
 
     def __init__(self) -> None:
         self.chats: list[tuple[tuple[str, str | None], ...]] = []
+        self.constraints: list[StructuredOutput | None] = []
 
     async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
         assert request.messages is not None and request.stream
@@ -28,6 +30,7 @@ class ChatModel:
             yield Refusal("invalid", "the model has no chat template; use /v1/completions", "messages")
             return
         self.chats.append(tuple((m.role, m.content) for m in request.messages))
+        self.constraints.append(request.structured)
         words = ["heard", f" {len(request.messages)}", " messages"]
         yield Chunk("", prompt_tokens=3)
         for i, word in enumerate(words):
@@ -62,6 +65,11 @@ def test_the_playground_chats_turn_by_turn_with_the_conversation_so_far(playgrou
         page.fill("#prompt", REFUSED)
         page.click("#generate-button")
         sync_api.expect(output).to_contain_text("[error: the model has no chat template", timeout=60_000)
+        page.click("#json-schema-box summary")
+        page.fill("#json-schema", '{"type": "object"')
+        page.click("#generate-button")
+        sync_api.expect(output).to_contain_text("[error: the JSON schema is not JSON", timeout=60_000)
+        page.fill("#json-schema", '{"type": "object"}')
         page.fill("#prompt", "Nay, answer me.")
         page.click("#generate-button")
         sync_api.expect(output).to_contain_text("assistant: heard 3 messages", timeout=60_000)
@@ -70,3 +78,5 @@ def test_the_playground_chats_turn_by_turn_with_the_conversation_so_far(playgrou
         (("user", "Who is there?"),),
         (("user", "Who is there?"), ("assistant", "heard 1 messages"), ("user", "Nay, answer me.")),  # the refused turn left out
     ]
+    # The JSON-schema box: the last turn's output follows its schema (OpenAI's response_format json_schema).
+    assert model.constraints == [None, StructuredOutput("json", '{"type": "object"}', "response_format.json_schema.schema")]

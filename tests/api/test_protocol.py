@@ -6,6 +6,7 @@ from collections.abc import AsyncGenerator
 import pytest
 from fastapi.testclient import TestClient
 
+from model.sampling_params import GREEDY
 from service.api.app import create_api
 from service.api.backend import STATUS_OF_REFUSAL
 from service.config import ServiceConfig
@@ -61,7 +62,7 @@ def test_chunks_become_the_response_and_requests_are_typed() -> None:
     assert answer["translations"][0]["text"] == "Ein Hund"
     assert answer["translations"][0]["alternatives"] == ["Ein Hund läuft"]
     assert answer["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
-    assert backend.requests == [GenerateRequest(text="A dog.", temperature=0.0, beam_size=4, n_best=2)]
+    assert backend.requests == [GenerateRequest(text="A dog.", sampling=GREEDY, beam_size=4, n_best=2)]
     completion = http.post("/v1/completions", json={"prompt": "ROMEO:", "stop": "\n"}).json()
     assert completion["choices"][0]["text"] == "Ein Hund"
     assert backend.requests[-1] == GenerateRequest(text="ROMEO:", stop=("\n",))  # max_tokens left to the engine

@@ -32,7 +32,7 @@ class FakeResponse:
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         n = len(WORDS)
-        words = [w + f"#{self.request.seed}" for w in WORDS] if self.request.temperature > 0 else WORDS
+        words = [w + f"#{self.request.sampling.seed}" for w in WORDS] if not self.request.sampling.greedy else WORDS
         chunks = [Chunk("", None, (), 3, 0)] + [Chunk(w, "length" if i == n else None, (), 3, i) for i, w in enumerate(words, 1)]
         if not self.request.stream:
             chunks = [chunks[0], Chunk("".join(words), "length", (), 3, n)]
@@ -87,8 +87,8 @@ def test_a_replica_lost_before_the_answer_began_is_retried_and_the_client_cannot
     # Not streamed: the replica dies after its first chunk (nothing has gone out before the end).
     # Streamed: it dies before its first chunk.
     answer, handle, failures, outcomes = serve([1 if not stream else 0, None], body)
-    seed = handle.requests[0].seed
-    assert seed is not None and [r.seed for r in handle.requests] == [seed, seed]  # the retry samples alike
+    seed = handle.requests[0].sampling.seed
+    assert seed is not None and [r.sampling.seed for r in handle.requests] == [seed, seed]  # the retry samples alike
     expected = "".join(w + f"#{seed}" for w in WORDS)
     if stream:
         assert isinstance(answer, list) and answer[-1] == "[DONE]"

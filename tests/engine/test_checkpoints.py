@@ -22,7 +22,7 @@ from model.data import SHARED_DATA, pad, read_lines
 from model.generator import Generator
 from model.masks import padding_mask
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.sampling import GREEDY
+from model.sampling_params import GREEDY
 from model.translate import greedy_translate
 from model.translator import Translator
 from service.engine.config import EngineConfig

@@ -9,7 +9,7 @@ from model.beam_search import beam_search
 from model.config import TranslatorConfig
 from model.kv_cache import cache_rows, read_rows
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.sampling import GREEDY, SamplingParams
+from model.sampling_params import GREEDY, SamplingParams
 from model.tokenizer import EOS_ID
 from model.translator import Translator
 from service.engine.config import EngineConfig

@@ -13,7 +13,7 @@ from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
 from model.kv_cache import LayerCaches, PagedKVCache
-from model.sampling import GREEDY
+from model.sampling_params import GREEDY
 from model.tokenizer import EOS_ID
 from model.translator import Translator
 from service.engine.config import EngineConfig

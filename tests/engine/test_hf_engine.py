@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 from model.checkpoint import load_checkpoint
 from model.data import SHARED_DATA, read_lines
 from model.generator import Generator
-from model.sampling import GREEDY, SamplingParams
+from model.sampling_params import GREEDY, SamplingParams
 from model.translate import max_new_tokens_for
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from model.checkpoint import DEFAULT_GENERATOR, load_native_checkpoint
-from model.sampling import GREEDY
+from model.sampling_params import GREEDY
 from service.engine.config import EngineConfig, TokenLogprob
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError

@@ -20,7 +20,7 @@ from model.generator import Generator
 from model.packed_linear import pack_linear_layers, packing_available
 from model.quantize import quantize_int8
 from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.sampling import GREEDY, SamplingParams
+from model.sampling_params import GREEDY, SamplingParams
 from model.translate import greedy_translate, pad_batch
 from model.translator import Translator
 from service.engine.config import EngineConfig

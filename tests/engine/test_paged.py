@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from model.checkpoint import DEFAULT_TRANSLATOR, load_checkpoint
 from model.generator import Generator
 from model.kv_cache import PagedKVCache
-from model.sampling import GREEDY
+from model.sampling_params import GREEDY
 from model.tokenizer import TextTokenizer
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine, StepReport

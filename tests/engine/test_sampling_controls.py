@@ -4,7 +4,7 @@ token, and a token id outside the vocabulary is refused before anything runs."""
 import pytest
 
 from model.checkpoint import DEFAULT_GENERATOR
-from model.sampling import SamplingParams
+from model.sampling_params import SamplingParams
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError

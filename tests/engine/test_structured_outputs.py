@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.sampling import SamplingParams
+from model.sampling_params import SamplingParams
 from service.engine.config import EngineConfig, StructuredOutput
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError

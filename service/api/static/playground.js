@@ -147,6 +147,15 @@ async function generate() {
   const started = performance.now();
   let firstToken = null, text = "";
   try {
+    const schemaText = $("json-schema").value.trim();
+    let responseFormat;
+    if (schemaText) {
+      try {
+        responseFormat = { type: "json_schema", json_schema: { name: "playground", schema: JSON.parse(schemaText) } };
+      } catch (error) {
+        throw new Error(`the JSON schema is not JSON: ${error.message}`);
+      }
+    }
     const response = await fetch(chat ? "/v1/chat/completions" : "/v1/completions", {
       method: "POST",
       headers: jsonHeaders(),
@@ -154,7 +163,7 @@ async function generate() {
         model: $("generate-model").value || undefined, ...(chat ? { messages: conversation } : { prompt }),
         stream: true, stream_options: { include_usage: true, continuous_usage_stats: true },
         temperature: Number($("temperature").value), top_p: Number($("top-p").value),
-        max_tokens: Number($("max-tokens").value), seed: Number($("seed").value),
+        max_tokens: Number($("max-tokens").value), seed: Number($("seed").value), response_format: responseFormat,
       }),
     });
     if (!response.ok) throw new Error((await response.json()).error.message);
