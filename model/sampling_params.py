@@ -9,6 +9,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 means all tokens
     top_p: float = 1.0
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p x the most likely one's probability are dropped
     seed: int | None = None
     # OpenAI's: logit - frequency_penalty x count - presence_penalty x (count > 0), counts of the
     # generated tokens. transformers' (and vLLM's) repetition_penalty on every token of the prompt

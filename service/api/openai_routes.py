@@ -86,6 +86,7 @@ def sampling_fields(body: SamplingRequest) -> dict[str, Any]:
             temperature=body.temperature,
             top_k=max(body.top_k, 0),
             top_p=body.top_p,
+            min_p=body.min_p,
             seed=body.seed,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,

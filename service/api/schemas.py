@@ -103,6 +103,7 @@ class SamplingRequest(StrictModel):
     temperature: FiniteFloat = Field(SamplingParams.temperature, ge=0.0, le=2.0)  # OpenAI's default, 1.0
     top_p: FiniteFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1)  # vLLM extension; 0 or -1: no limit
+    min_p: FiniteFloat = Field(0.0, ge=0.0, le=1.0)  # vLLM extension; 0: no limit
     n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)  # independent samples (seed + i each, when a seed is given)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None  # with stream only (as vLLM: a 400 otherwise)

@@ -84,15 +84,23 @@ def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) ->
             seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
             r.rng = torch.Generator().manual_seed(seed)
 
-    def adjusted(row: Tensor, r: Request) -> Tensor:
-        if r.params.sampling.adjusts_logits:
-            row = adjust_logits(row, r.params.sampling, r.prompt_ids, r.output_ids)
-        if len(r.output_ids) < r.params.min_tokens:
-            row = row.float().index_fill(-1, torch.tensor(sorted(eos_ids), device=row.device), float("-inf"))
-        return row.float()
-
-    if any(r.params.sampling.adjusts_logits or len(r.output_ids) < r.params.min_tokens for r in requests):
-        logits = torch.stack([adjusted(row, r) for row, r in zip(logits, requests, strict=True)])  # (B, V)
+    adjusted = [i for i, r in enumerate(requests) if r.params.sampling.adjusts_logits]
+    held = [i for i, r in enumerate(requests) if len(r.output_ids) < r.params.min_tokens]  # no eos yet
+    if adjusted or held:
+        logits = logits.float().clone()  # the caller's stay as they are
+    if adjusted:
+        index = torch.tensor(adjusted, device=logits.device)
+        chosen = [requests[i] for i in adjusted]
+        rows = adjust_logits(
+            logits.index_select(0, index),
+            [r.params.sampling for r in chosen],
+            [r.prompt_ids for r in chosen],
+            [r.output_ids for r in chosen],
+        )
+        logits = logits.index_copy(0, index, rows)
+    if held:
+        eos = torch.tensor(sorted(eos_ids), device=logits.device)
+        logits[torch.tensor(held, device=logits.device)[:, None], eos[None]] = float("-inf")
     return sample_next(logits, [r.params.sampling for r in requests], [r.rng for r in requests]).tolist()
 
 

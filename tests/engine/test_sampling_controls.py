@@ -1,5 +1,5 @@
 """Sampling controls in the engine, on the shipped generator: logit bias forces or forbids a
-token, and a token id outside the vocabulary is refused before anything runs."""
+token, and a token id outside the vocabulary is refused before anything runs; min-p 1.0 is greedy."""
 
 import pytest
 
@@ -38,3 +38,10 @@ def test_logit_bias_outside_the_vocabulary_is_refused(engine: Engine) -> None:
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         engine.add_request(Request("r", engine.runner.encode_prompt("ROMEO:"), params))
     assert not engine.has_work
+
+
+def test_min_p_one_keeps_only_the_most_likely_token(engine: Engine) -> None:
+    """min_p 1.0 drops every token less likely than the most likely one: sampling becomes greedy."""
+    greedy = tokens(engine, "ROMEO:", SamplingParams(temperature=0.0))
+    assert all(tokens(engine, "ROMEO:", SamplingParams(temperature=1.5, seed=seed, min_p=1.0)) == greedy for seed in range(3))
+    assert any(tokens(engine, "ROMEO:", SamplingParams(temperature=1.5, seed=seed)) != greedy for seed in range(3))

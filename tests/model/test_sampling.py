@@ -16,9 +16,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
 def test_greedy_and_filters() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     assert int(sample_next(logits, [SamplingParams(temperature=0.0)], [None])[0]) == 1
-    top2 = filter_logits(logits[:1], torch.tensor([2]), torch.tensor([1.0]))[0]
+    top2 = filter_logits(logits[:1], torch.tensor([2]), torch.tensor([1.0]), torch.tensor([0.0]))[0]
     assert torch.isinf(top2[[0, 2]]).all() and torch.isfinite(top2[[1, 3]]).all()
-    nucleus = filter_logits(torch.tensor([[10.0, 0.0, 0.0, 0.0]]), torch.tensor([0]), torch.tensor([0.5]))[0]
+    nucleus = filter_logits(torch.tensor([[10.0, 0.0, 0.0, 0.0]]), torch.tensor([0]), torch.tensor([0.5]), torch.tensor([0.0]))[0]
     assert torch.isfinite(nucleus).tolist() == [True, False, False, False]
     g = torch.Generator().manual_seed(0)
     draws = {int(sample_next(logits, [SamplingParams(temperature=1.0, top_k=2)], [g])[0]) for _ in range(50)}
@@ -34,7 +34,7 @@ def test_repetition_penalty_is_transformers_on_the_prompt_and_output_tokens() ->
     torch.manual_seed(0)
     logits = torch.randn(50) * 3  # positive and negative logits
     prompt, output = [3, 7, 7, 11], [20, 3, 42]
-    ours = adjust_logits(logits, SamplingParams(repetition_penalty=1.3), prompt, output)
+    ours = adjust_logits(logits[None], [SamplingParams(repetition_penalty=1.3)], [prompt], [output])[0]
     theirs = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits.unsqueeze(0).clone())[0]
     assert torch.allclose(ours, theirs)
     assert not torch.equal(ours, logits)
@@ -42,22 +42,56 @@ def test_repetition_penalty_is_transformers_on_the_prompt_and_output_tokens() ->
 
 def test_presence_and_frequency_penalties_are_openais_on_the_output_tokens() -> None:
     logits = torch.zeros(8)
-    ours = adjust_logits(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 1, 2], [4, 4, 4, 5])
+    ours = adjust_logits(logits[None], [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [[1, 1, 2]], [[4, 4, 4, 5]])[0]
     expected = torch.zeros(8)
     expected[4] = -(0.25 * 3 + 0.5)  # three times: frequency x 3, presence once
     expected[5] = -(0.25 * 1 + 0.5)
     assert torch.equal(ours, expected)  # the prompt's tokens (1, 2) are not penalised
-    assert torch.equal(adjust_logits(logits, SamplingParams(presence_penalty=1.0), [1], []), logits)  # nothing generated yet
+    assert torch.equal(adjust_logits(logits[None], [SamplingParams(presence_penalty=1.0)], [[1]], [[]])[0], logits)  # nothing generated yet
 
 
 def test_logit_bias_is_added_after_the_penalties() -> None:
     logits = torch.tensor([1.0, 2.0, -1.0, 0.5])
     params = SamplingParams(repetition_penalty=2.0, logit_bias=((1, -100.0), (3, 5.0)))
-    assert torch.equal(adjust_logits(logits, params, [1], []), torch.tensor([1.0, 1.0 - 100.0, -1.0, 5.5]))
+    assert torch.equal(adjust_logits(logits[None], [params], [[1]], [[]])[0], torch.tensor([1.0, 1.0 - 100.0, -1.0, 5.5]))
 
 
-def one_row_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The plain path, one row at a time (what the batched filter replaced): top-k, then the nucleus."""
+def one_row_adjusted(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The plain path, one row at a time (what the batched adjustment replaced)."""
+    if params.repetition_penalty != 1.0:
+        for token in set(prompt + output):
+            value = logits[token]
+            logits[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+    for token in set(output):
+        logits[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    for token, bias in params.logit_bias:
+        logits[token] += bias
+    return logits
+
+
+def test_the_batched_adjustment_equals_the_plain_one_row_by_row() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 40) * 3
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(),
+        SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, logit_bias=((3, 2.0), (39, -100.0))),
+        SamplingParams(repetition_penalty=0.8, presence_penalty=1.0, logit_bias=((0, 1.5),)),
+        SamplingParams(frequency_penalty=2.0),
+    ]
+    prompts = [[1, 2, 2], [5], [7, 8], [3, 3, 9], []]
+    outputs = [[2, 4], [6, 6], [8, 8, 8, 10], [], [11, 11]]
+    batched = adjust_logits(logits, params, prompts, outputs)
+    for row in range(5):
+        expected = one_row_adjusted(logits[row].clone(), params[row], prompts[row], outputs[row])
+        assert torch.allclose(batched[row], expected, atol=1e-6), f"row {row}"
+
+
+def one_row_filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """The plain path, one row at a time (what the batched filter replaced): min-p, top-k, then the nucleus."""
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         logits = logits.masked_fill(logits < logits.topk(top_k).values[-1], float("-inf"))
     if top_p < 1.0:
@@ -71,10 +105,10 @@ def one_row_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 def test_the_batched_filter_equals_the_plain_one_row_by_row() -> None:
     torch.manual_seed(0)
     logits = torch.randn(6, 300) * 3
-    top_k, top_p = [0, 5, 0, 40, 300, 1], [1.0, 1.0, 0.9, 0.5, 0.99, 0.3]
-    batched = filter_logits(logits, torch.tensor(top_k), torch.tensor(top_p))
-    for row, (k, p) in enumerate(zip(top_k, top_p, strict=True)):
-        assert torch.equal(batched[row], one_row_filter(logits[row], k, p)), f"row {row}"
+    top_k, top_p, min_p = [0, 5, 0, 40, 300, 1], [1.0, 1.0, 0.9, 0.5, 0.99, 0.3], [0.0, 0.05, 0.2, 0.0, 0.01, 0.5]
+    batched = filter_logits(logits, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
+    for row, (k, p, m) in enumerate(zip(top_k, top_p, min_p, strict=True)):
+        assert torch.equal(batched[row], one_row_filter(logits[row], k, p, m)), f"row {row}"
 
 
 def test_draws_follow_the_filtered_distribution() -> None:
