@@ -1,9 +1,11 @@
 """Engine benchmarks on the shipped checkpoints: ratios measured side by side in one run.
 
-    python -m benchmarks.engine [--json] [--out benchmarks/results]
+    python -m benchmarks.engine [--json] [--quick] [--threads 1] [--out benchmarks/results]
 
 Prints a table; with --json the last line is one JSON object. Writes engine.json and a PNG of
-throughput and p99 latency against concurrency into --out.
+throughput and p99 latency against concurrency into --out. --quick (shorter outputs, fewer
+requests and sentences) checks the script; its files go to a temporary folder unless --out says
+where.
 """
 
 import argparse
@@ -11,6 +13,7 @@ import json
 import os
 import random
 import resource
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,8 @@ from service.engine.config import BatchingPolicy, EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 
+RESULTS = Path("benchmarks/results")
+QUICK_RESULTS = Path(tempfile.gettempdir()) / "benchmarks-quick"
 PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "To be", "JULIET:\nO", "MENENIUS:\n", "The", "HAMLET:\n"]
 
 
@@ -194,8 +199,8 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--quick", action="store_true", help="smaller runs, to check the script")
+    parser.add_argument("--out", type=Path, default=None, help=f"where engine.json and its PNG go (default: {RESULTS})")
+    parser.add_argument("--quick", action="store_true", help=f"smaller runs, to check the script (files to {QUICK_RESULTS})")
     parser.add_argument(
         "--threads",
         type=int,
@@ -203,7 +208,8 @@ def main() -> None:
         help="torch intra-op threads, as a Serve replica runs: Ray sets OMP_NUM_THREADS to its num_cpus (1 in deploy/)",
     )
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    out: Path = args.out or (QUICK_RESULTS if args.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_checkpoint(DEFAULT_GENERATOR)
@@ -227,9 +233,9 @@ def main() -> None:
     results.update(translator_throughput(sentences[:100] if args.quick else sentences, 20 if args.quick else 100))
     rows = concurrency_curve([1, 2, 4, 8, 16, 32] if not args.quick else [1, 4], 32 if args.quick else 64)
     results["concurrency_curve"] = rows
-    plot(rows, args.out / "engine_concurrency.png")
+    plot(rows, out / "engine_concurrency.png")
     results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    (args.out / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "engine.json").write_text(json.dumps(results, indent=2) + "\n")
     print(f"{'metric':40s} value")
     for key, value in results.items():
         if isinstance(value, float):

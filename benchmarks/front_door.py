@@ -1,14 +1,17 @@
 """The front door under a load generator that is not the bottleneck (Apache's `ab`): requests/s
 and latency of `GET /healthz` and of a refused completion, at 50 and 400 connections.
 
-    python -m benchmarks.front_door [--requests 4000] [--json]
+    python -m benchmarks.front_door [--requests 4000] [--json] [--quick] [--out benchmarks/results/front_door.json]
 
-Starts its own Ray and Serve app on 127.0.0.1. To make every completion a refusal, the generator
-gets one slot and a queue of one, its engine loop is stalled with the test-only fault hook, and
-one request holds each of its three places (the slot, the engine's queue, Serve's queue): every
-further completion is refused at the ingress (Serve's backpressure on its handle, answered as a
-429 with Retry-After, then the ingress's own fast refusal of the saturated model) without
-reaching the replica.
+Needs `ab` (Debian: apache2-utils; .ci/run installs it). Starts its own Ray and Serve app on
+127.0.0.1, which must answer /readyz within READY_TIMEOUT_S (benchmarks/serving.py). To make
+every completion a refusal, the generator gets one slot and a queue of one, its engine loop is
+stalled with the test-only fault hook, and one request holds each of its three places (the slot,
+the engine's queue, Serve's queue): every further completion is refused at the ingress (Serve's
+backpressure on its handle, answered as a 429 with Retry-After, then the ingress's own fast
+refusal of the saturated model) without reaching the replica. --quick (400 requests a run)
+checks the script; its JSON goes to a temporary folder unless --out says where. The JSON holds
+the commit measured.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -25,11 +29,16 @@ from typing import Any
 
 import httpx
 
+from benchmarks.serving import READY_TIMEOUT_S, commit, wait_ready
+from loadtests.cluster import free_port
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig
 
 COMPLETION = {"prompt": "ROMEO:\n", "max_tokens": 8}
+RESULTS = Path(__file__).resolve().parent / "results" / "front_door.json"
+QUICK_RESULTS = Path(tempfile.gettempdir()) / "benchmarks-quick" / "front_door.json"
+QUICK_REQUESTS = 400  # ab takes no fewer requests than connections (400)
 
 
 def refusing_config() -> ServiceConfig:
@@ -47,6 +56,7 @@ def refusing_config() -> ServiceConfig:
                 engine=EngineConfig(n_slots=1, max_waiting=1, default_max_tokens=16, queue_timeout_s=None, request_timeout_s=None),
                 deployment={"max_queued_requests": 1, "ray_actor_options": {"num_cpus": 0.1}},
                 fault_injection=True,
+                heartbeat_timeout_s=3600,  # its engine is stalled on purpose: Serve must not replace it meanwhile
             ),
         ),
     )
@@ -68,26 +78,9 @@ def ab(url: str, concurrency: int, requests: int, body: Path | None = None) -> d
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=4000)
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/front_door.json"))
-    args = parser.parse_args()
-    os.environ.update({**RAY_ENVIRONMENT, **LOCAL_RAY_ENVIRONMENT})  # before Ray is imported: everything on 127.0.0.1
-    import ray
-    from ray import serve
-
-    from service.app import build_app
-
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=40)  # errors only
-    port = 8765
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(refusing_config()), name="front-door", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    while httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
-        time.sleep(0.5)
-    generator: Any = serve.get_deployment_handle("Generator", app_name="front-door")
+def measure(url: str, generator: Any, requests: int) -> dict[str, Any]:
+    """The refusal, then `ab` against /healthz and a refused completion at each concurrency, once
+    the generator (its deployment handle) is stalled and its three places are held."""
     generator.inject_fault.remote("stall", 1, 3600.0).result()
 
     def hold_a_place() -> None:
@@ -106,16 +99,49 @@ def main() -> None:
         json.dump(COMPLETION, body)
         body.flush()
         for concurrency in (50, 400):
-            results[f"healthz_c{concurrency}"] = ab(f"{url}/healthz", concurrency, args.requests)
-            results[f"refused_completion_c{concurrency}"] = ab(f"{url}/v1/completions", concurrency, args.requests, Path(body.name))
+            results[f"healthz_c{concurrency}"] = ab(f"{url}/healthz", concurrency, requests)
+            results[f"refused_completion_c{concurrency}"] = ab(f"{url}/v1/completions", concurrency, requests, Path(body.name))
     for concurrency in (50, 400):
         results[f"refused_vs_healthz_p50_c{concurrency}"] = round(
             results[f"refused_completion_c{concurrency}"]["p50_ms"] / max(results[f"healthz_c{concurrency}"]["p50_ms"], 1.0), 2
         )
-    serve.shutdown()
-    ray.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=4000, help="requests of each `ab` run")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_REQUESTS} requests a run: to check the script (JSON to {QUICK_RESULTS})"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--out", type=Path, default=None, help="where the JSON goes (default: benchmarks/results/front_door.json)")
+    args = parser.parse_args()
+    if shutil.which("ab") is None:
+        raise SystemExit("front_door: needs Apache's `ab` (Debian: apt-get install apache2-utils)")
+    requests, out = (QUICK_REQUESTS, args.out or QUICK_RESULTS) if args.quick else (args.requests, args.out or RESULTS)
+    os.environ.update({**RAY_ENVIRONMENT, **LOCAL_RAY_ENVIRONMENT})  # before Ray is imported: everything on 127.0.0.1
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+
+    config, app, port, measured = refusing_config(), "front-door", free_port(), commit()
+    # address="local": a Ray of its own, never one already running on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=40)  # errors only
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        target = serve.RunTarget(build_app(config), name=app, route_prefix="/")
+        serve.run_many([target], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, app, READY_TIMEOUT_S)
+        results = measure(url, serve.get_deployment_handle(config.generator.name, app_name=app), requests)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    results = {"commit": measured, **results}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
     for name, value in results.items():
         print(f"{name}: {value}")
     if args.json:

@@ -4,11 +4,11 @@
                                [--threads 1] [--repeats 2] [--quick]
 
 --translator and --generator (default: the shipped checkpoints) each take our checkpoint folder or
-a Hugging Face one (MarianMTModel, GPTNeoXForCausalLM; model/folder.py tells which). Our engine
-loads the folder itself (Engine.from_checkpoint). For our folders the peers run exact exports
-made into a temporary folder (model/export.py); a Hugging Face folder transformers loads as it is
-and CTranslate2 gets through its TransformersConverter (its Marian converter starts the decoder
-from a zero embedding, as Marian's own models do). Every system in float32; CTranslate2 int8 is
+a Hugging Face one (MarianMTModel; GPTNeoXForCausalLM or the Llama family; model/folder.py tells
+which). Our engine loads the folder itself (Engine.from_checkpoint). For our folders the peers run
+exact exports made into a temporary folder (model/export.py); a Hugging Face folder transformers
+loads as it is and CTranslate2 gets through its TransformersConverter (its Marian converter starts
+the decoder from a zero embedding, as Marian's own models do). Every system in float32; CTranslate2 int8 is
 its float32 model quantised at load. Same threads (torch intra-op threads for ours and
 transformers, ctranslate2's intra_threads), same inputs, same batch sizes; each timer covers
 tokenization, generation and detokenization. After one untimed warm-up each, the systems take
@@ -28,9 +28,11 @@ move least with it).
   sentence that runs into its limit can go on longer there. Beam 4: length penalty 1.0,
   stopping when 4 hypotheses have ended (transformers' early_stopping=True). BLEU: sacreBLEU
   corpus_bleu, 13a, cased.
-- generate_batch_1 / generate_batch_16: the generator, greedy, exactly 200 new tokens for every
-  prompt (transformers and CTranslate2 are held to 200 by min/max length; our engine has no
-  ignore_eos, so the run checks that it produced 200 for each). Batch 1 runs 4 prompts one
+- generate_batch_1 / generate_batch_16: the generator, greedy, at most 200 new tokens for every
+  prompt, each system ending a prompt at the model's end-of-sequence ids (ours: the folder's, the
+  peers given the same). Each system's throughput counts the tokens it generated (the
+  end-of-sequence token that ended a text not counted): <work>_tokens_<system>, equal for systems
+  that agree. The shipped generator runs all 200 on every prompt. Batch 1 runs 4 prompts one
   after another, batch 16 sixteen prompts at once (our engine: 16 slots).
 
 Tokens for CTranslate2: for our folders, pieces of our sentencepiece model (ctranslate2 appends
@@ -38,14 +40,15 @@ a source's </s>); for a Hugging Face folder, its tokenizer's tokens (MarianToken
 </s>), output tokens back to text with the same tokenizer, special tokens dropped.
 
 Prints a table; with --json the last line is one JSON object: each figure, the ratios
-<work>_vs_<peer> (ours / peer, throughput; <work>_vs_<peer>_by_cpu from CPU time), the same for
-our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py), the BLEU of each system
-and the share of each other system's outputs equal to ours (<work>_same_as_ours_<system>);
+<work>_vs_<peer> (ours / peer, throughput; <work>_vs_<peer>_by_cpu from the work per CPU second),
+the same for our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py), the BLEU of
+each system and the share of each other system's outputs equal to ours (<work>_same_as_ours_<system>);
 "models" names the folders compared (path, kind ours / hugging_face, context, languages).
 Writes peers.json and peers.png into --out: by default benchmarks/results for the shipped
 checkpoints (the figures the docs show, python -m benchmarks.report), and
 benchmarks/results/peers-<translator folder name>+<generator folder name> when either folder is
-another, so that a run on other models never replaces them.
+another, so that a run on other models never replaces them. --quick (100 sentences, 2 prompts at
+batch 1, one repeat) checks the script; its files go to a temporary folder unless --out says where.
 """
 
 import argparse
@@ -57,7 +60,7 @@ from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import ctranslate2
 import sacrebleu
@@ -89,6 +92,7 @@ BATCH_SENTENCES = 64
 NEW_TOKENS = 200
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path("benchmarks/results")
+QUICK_RESULTS = Path(tempfile.gettempdir()) / "benchmarks-quick"
 MULTI30K = SHARED_DATA / "multi30k"
 
 # At least two tokens each: CTranslate2 4.8.5, given a batch whose shortest prompt is one token,
@@ -96,7 +100,9 @@ MULTI30K = SHARED_DATA / "multi30k"
 # them in max_length.
 PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "To be", "JULIET:\nO", "MENENIUS:\n", "The king", "HAMLET:\n"]
 
-Outputs = list[str]  # translations, or generated texts
+Outputs = list[str]  # translations
+Generated = tuple[str, int]  # a generated text and its tokens (not the end-of-sequence token that ended it)
+Output = TypeVar("Output")
 Encode = Callable[[list[str]], list[list[str]]]  # texts to the tokens ctranslate2 takes
 Decode = Callable[[list[str]], str]  # ctranslate2's output tokens to text
 
@@ -121,8 +127,8 @@ class Compared:
 
 
 @dataclass
-class Measured:
-    outputs: Outputs
+class Measured(Generic[Output]):
+    outputs: list[Output]
     seconds: float  # the best wall time
     cpu_seconds: float  # the least CPU time of the process (all its threads): what other processes on the machine change least
 
@@ -170,7 +176,11 @@ def ct2_tokens(model: Compared, hf_tokenizer: PreTrainedTokenizerBase) -> tuple[
             return [[*hf_tokenizer.convert_ids_to_tokens(ids)] for ids in hf_tokenizer(texts)["input_ids"]]  # ids in, a list out
 
         def decode_hf(tokens: list[str]) -> str:
-            return str(hf_tokenizer.decode(hf_tokenizer.convert_tokens_to_ids(tokens), skip_special_tokens=True))
+            # A token of a model row past the tokenizer's ids (padded vocabularies, as Pythia's) has
+            # no id there: it decodes to nothing, as its id does through transformers.
+            ids = hf_tokenizer.convert_tokens_to_ids(tokens)
+            assert isinstance(ids, list)  # a list in, a list out
+            return str(hf_tokenizer.decode([i for i in ids if i is not None], skip_special_tokens=True))
 
         return encode_hf, decode_hf
     tokenizer = Tokenizer.load(model.folder / "tokenizer.model")
@@ -186,14 +196,14 @@ def ct2_tokens(model: Compared, hf_tokenizer: PreTrainedTokenizerBase) -> tuple[
 
 
 def measure(
-    runs: dict[str, Callable[[list[str]], Outputs]], inputs: list[list[str]], warm_up: list[str], repeats: int
-) -> dict[str, Measured]:
+    runs: dict[str, Callable[[list[str]], list[Output]]], inputs: list[list[str]], warm_up: list[str], repeats: int
+) -> dict[str, Measured[Output]]:
     """Each system's outputs for the batches of inputs (one call each) and its best times over
     repeats, the systems taking turns so that a busy spell of the machine falls on all of them.
     Each system first makes one untimed call on warm_up."""
     for run in runs.values():
         run(warm_up)
-    best: dict[str, Measured] = {}
+    best: dict[str, Measured[Output]] = {}
     for _ in range(repeats):
         for system, run in runs.items():
             started, cpu_started = time.perf_counter(), time.process_time()
@@ -302,13 +312,14 @@ def translation(translator: Compared, sentences: list[str], references: list[str
     return results
 
 
-def agreement(work: str, outputs: dict[str, Outputs]) -> dict[str, float]:
-    """<work>_same_as_ours_<system>: the share of outputs (texts) that equal ours (float32)."""
+def agreement(work: str, outputs: dict[str, Sequence[object]]) -> dict[str, float]:
+    """<work>_same_as_ours_<system>: the share of outputs (texts, or texts and token counts) that equal ours (float32)."""
     ours = outputs["ours"]
     return {f"{work}_same_as_ours_{s}": sum(a == b for a, b in zip(ours, outputs[s], strict=True)) / len(ours) for s in SYSTEMS[1:]}
 
 
-def engine_generate(engine: Engine, prompts: list[str]) -> Outputs:
+def engine_generate(engine: Engine, prompts: list[str]) -> list[Generated]:
+    """Each prompt's greedy text and tokens: at most NEW_TOKENS, ended by an eos id of the engine's."""
     for i, prompt in enumerate(prompts):
         engine.add_request(Request(f"g{i}", engine.runner.encode_prompt(prompt), GenerationParams(sampling=GREEDY, max_tokens=NEW_TOKENS)))
     texts, counts = [""] * len(prompts), [0] * len(prompts)
@@ -317,27 +328,32 @@ def engine_generate(engine: Engine, prompts: list[str]) -> Outputs:
             i = int(delta.request_id[1:])
             texts[i] += delta.text
             counts[i] += len(delta.token_ids)
-            assert delta.finish_reason in (None, "length"), delta
-    assert counts == [NEW_TOKENS] * len(prompts), f"our engine stopped early (end of sequence): {counts}"
-    return texts
+            assert delta.finish_reason in (None, "stop", "length"), delta
+    return list(zip(texts, counts, strict=True))
 
 
-def transformers_generate(model: GPTNeoXForCausalLM, tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> Outputs:
+def transformers_generate(
+    model: GPTNeoXForCausalLM, tokenizer: PreTrainedTokenizerBase, eos_ids: list[int], prompts: list[str]
+) -> list[Generated]:
+    """engine_generate's work through transformers: a row's tokens end before its first eos id."""
     batch = tokenizer(prompts, padding=True, return_tensors="pt")  # left-padded
     width = batch["input_ids"].shape[1]
     with torch.inference_mode():
         out = model.generate(  # type: ignore[misc]
-            **batch, max_length=width + NEW_TOKENS, min_length=width + NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            **batch, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id
         )
-    assert isinstance(out, torch.Tensor) and out.shape[1] == width + NEW_TOKENS
-    texts: Outputs = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    return texts
+    assert isinstance(out, torch.Tensor)
+    rows: list[list[int]] = out[:, width:].tolist()  # an ended row is padded to the longest
+    counts = [next((i for i, token in enumerate(row) if token in eos_ids), len(row)) for row in rows]
+    return [(str(tokenizer.decode(row[:n], skip_special_tokens=True)), n) for row, n in zip(rows, counts, strict=True)]
 
 
-def ct2_generate(generator: ctranslate2.Generator, encode: Encode, decode: Decode, prompts: list[str]) -> Outputs:
-    results = generator.generate_batch(encode(prompts), max_length=NEW_TOKENS, min_length=NEW_TOKENS, include_prompt_in_result=False)
-    assert all(len(r.sequences_ids[0]) == NEW_TOKENS for r in results)
-    return [decode(r.sequences[0]) for r in results]
+def ct2_generate(
+    generator: ctranslate2.Generator, encode: Encode, decode: Decode, eos_ids: list[int], prompts: list[str]
+) -> list[Generated]:
+    """engine_generate's work through CTranslate2 (which leaves out the end token it stopped on)."""
+    results = generator.generate_batch(encode(prompts), max_length=NEW_TOKENS, end_token=eos_ids, include_prompt_in_result=False)
+    return [(decode(r.sequences[0]), len(r.sequences_ids[0])) for r in results]
 
 
 def generation(generator: Compared, threads: int, batch_1_prompts: int, repeats: int) -> dict[str, float]:
@@ -355,30 +371,38 @@ def generation(generator: Compared, threads: int, batch_1_prompts: int, repeats:
     for batch_size in [1, 16]:
         work = f"generate_batch_{batch_size}"
         engine, engine_int8 = (offline_engine(generator.folder, batch_size, w) for w in (torch.float32, "int8"))
-        runs: dict[str, Callable[[list[str]], Outputs]] = {
+        eos_ids = sorted(engine.runner.eos_ids)
+        runs: dict[str, Callable[[list[str]], list[Generated]]] = {
             "ours": partial(engine_generate, engine),
             "ours_int8": partial(engine_generate, engine_int8),
-            "transformers": partial(transformers_generate, hf_model, hf_tokenizer),
-            **{name: partial(ct2_generate, model, encode, decode) for name, model in ct2.items()},
+            "transformers": partial(transformers_generate, hf_model, hf_tokenizer, eos_ids),
+            **{name: partial(ct2_generate, model, encode, decode, eos_ids) for name, model in ct2.items()},
         }
         if batch_size == 1:  # prompts one after another
             batches = [[PROMPTS[i % len(PROMPTS)]] for i in range(batch_1_prompts)]
         else:
             batches = [[PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]]
-        tokens = NEW_TOKENS * sum(len(b) for b in batches)
         measured = measure(runs, batches, batches[0], repeats)
         for system, m in measured.items():
+            tokens = sum(n for _, n in m.outputs)
+            results[f"{work}_tokens_{system}"] = float(tokens)
             results[f"{work}_tokens_per_s_{system}"] = tokens / m.seconds
             results[f"{work}_cpu_seconds_{system}"] = m.cpu_seconds
-            print(f"  {work:18s} {system:13s} {tokens / m.seconds:8.1f} tokens/s")
+            print(f"  {work:18s} {system:13s} {tokens / m.seconds:8.1f} tokens/s ({tokens} tokens)")
         results.update(agreement(work, {system: m.outputs for system, m in measured.items()}))
     return results
 
 
+def per_cpu_second(results: dict[str, float], work: str, system: str) -> float:
+    """A system's work per CPU second: generated tokens (<work>_tokens_<system>), or the
+    translations, the same sentences for every system (counted as one)."""
+    return results.get(f"{work}_tokens_{system}", 1.0) / results[f"{work}_cpu_seconds_{system}"]
+
+
 def ratios(results: dict[str, float]) -> dict[str, float]:
     """<work>_vs_<peer>: our (float32) throughput over the peer's (wall time); <work>_int8_vs_<peer>:
-    the same for our int8 weights; <work>[_int8]_vs_<peer>_by_cpu: the same from CPU time (the peer's
-    CPU seconds over ours)."""
+    the same for our int8 weights; <work>[_int8]_vs_<peer>_by_cpu: the same from CPU time (our work
+    per CPU second over the peer's)."""
     out = {}
     for key in list(results):
         for unit in ["_sentences_per_s", "_tokens_per_s"]:
@@ -387,7 +411,7 @@ def ratios(results: dict[str, float]) -> dict[str, float]:
                 for ours, name in [("ours", work), ("ours_int8", f"{work}_int8")]:
                     for peer in PEERS:
                         out[f"{name}_vs_{peer}"] = results[f"{work}{unit}_{ours}"] / results[f"{work}{unit}_{peer}"]
-                        out[f"{name}_vs_{peer}_by_cpu"] = results[f"{work}_cpu_seconds_{peer}"] / results[f"{work}_cpu_seconds_{ours}"]
+                        out[f"{name}_vs_{peer}_by_cpu"] = per_cpu_second(results, work, ours) / per_cpu_second(results, work, peer)
     return out
 
 
@@ -472,16 +496,22 @@ def tokenization_note(name: str, model: Compared) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--translator", type=Path, default=DEFAULT_TRANSLATOR, help="our translator folder or a Hugging Face MarianMT one")
-    parser.add_argument("--generator", type=Path, default=DEFAULT_GENERATOR, help="our generator folder or a Hugging Face GPT-NeoX one")
+    parser.add_argument(
+        "--generator", type=Path, default=DEFAULT_GENERATOR, help="our generator folder or a Hugging Face one (GPT-NeoX, Llama family)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads and ctranslate2 intra_threads")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="where peers.json and peers.png go (default: see above)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each measure, the best kept")
-    parser.add_argument("--quick", action="store_true", help="100 sentences, fewer prompts, one repeat: to check the script")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"100 sentences, 2 prompts at batch 1, one repeat: to check the script (files to {QUICK_RESULTS})",
+    )
     args = parser.parse_args()
     translator_info, generator_info = checked(args.translator, "translator"), checked(args.generator, "generator")
     sentences, references = multi30k_test_set(args.translator, translator_info)
-    out: Path = args.out or default_out(args.translator, args.generator)
+    out: Path = args.out or (QUICK_RESULTS if args.quick else default_out(args.translator, args.generator))
     out.mkdir(parents=True, exist_ok=True)
     warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")  # Moses normalisation is not part of encoding
     torch.manual_seed(0)

@@ -284,7 +284,11 @@ def serving() -> str:
         ttft = f"{num(data[f'inprocess_{n}_ttft_p50_ms'])} / {num(data[f'http_{n}_stream_ttft_p50_ms'])} ms"
         rows.append([str(n), num(data[f"inprocess_{n}_tok_s"]), streamed, plain, ttft])
     header = ["clients", "in-process tok/s", "streamed tok/s (ratio)", "not streamed tok/s (ratio)", "TTFT p50 in-process / streamed"]
-    return table(header, rows)
+    run = (
+        f"commit `{data['commit']}`, {data['requests_per_client']} completions of at most {data['max_tokens']} tokens per client, "
+        f"best of {data['repeats']}, Ray given {data['ray_cpus']} logical CPUs for the default service's replicas, {num(data['seconds'])} s"
+    )
+    return table(header, rows) + f"\n\nMeasured by `python -m benchmarks.serving --json` ({run})."
 
 
 def front_door() -> str:

@@ -5,32 +5,43 @@ this process, at the same concurrency, side by side in one run.
                                  [--requests-per-client 4] [--repeats 2]
                                  [--stream-interval-ms 50]
 
-Starts its own Ray and Serve app on 127.0.0.1 (the default ServiceConfig, the generator on the
-CPU with one torch thread) and, in this process, the engine a replica runs: the generator's
-EngineConfig, device and dtype, one torch thread, behind the AsyncEngine (the replica's path
-without Serve, the ingress, HTTP and the replica's pacing of streams). At each concurrency N (1,
-16, 32), N clients each send --requests-per-client greedy completions of at most --tokens tokens
-back to back, the same prompts in the same order in every mode (the generator may end a text
-sooner, at end of sequence: every figure counts the tokens made). The modes take turns, each
-while the others are idle: in-process, then `POST /v1/completions` streamed (server-sent events,
-the usage in the last frame) and not streamed, from one httpx.AsyncClient in this process. After
-one untimed round of each mode at 32 clients, each mode runs --repeats times in turn at each
-concurrency and keeps its best wall time.
+Starts its own Ray and Serve app on 127.0.0.1: the default ServiceConfig, every model it serves,
+the generator on the CPU with one torch thread. Ray gets as many logical CPUs as the app's
+replicas ask (Serve's default: one each), so that every model is placed on a 2-core machine too
+(the replicas share its real cores all the same); the app must answer /readyz within
+READY_TIMEOUT_S, or the run stops naming each deployment's status. In this process runs the
+engine a replica runs: the generator's EngineConfig, device and dtype, one torch thread, behind
+the AsyncEngine (the replica's path without Serve, the ingress, HTTP and the replica's pacing of
+streams). At each concurrency N (1, 16, 32), N clients each send --requests-per-client greedy
+completions of at most --tokens tokens back to back, the same prompts in the same order in every
+mode (the generator may end a text sooner, at end of sequence: every figure counts the tokens
+made). The modes take turns, each while the others are idle: in-process, then
+`POST /v1/completions` streamed (server-sent events, the usage in the last frame) and not
+streamed, from one httpx.AsyncClient in this process. After one untimed round of each mode at
+32 clients, each mode runs --repeats times in turn at each concurrency and keeps its best wall
+time.
+
+--quick (one request per client, one repeat) checks the script in about a minute; its JSON goes to
+a temporary folder unless --out says where, never over the figures the docs show.
 
 Prints a table; with --json the last line is one JSON object: inprocess_<n>_tok_s,
 http_<n>_<mode>_tok_s (mode: stream or nostream), http_vs_inprocess_<n>_<mode> (HTTP throughput
 over in-process), the median time to first token in ms (inprocess_<n>_ttft_p50_ms,
 http_<n>_stream_ttft_p50_ms), the tokens each mode made (<prefix>_tokens: the same work, equal)
 and <prefix>_cpu_per_s, this process's CPU seconds per second of the run (in-process: the
-engine's; HTTP: the client's; near 1, the client may be what limits the HTTP figures). Writes the
-same object to --out.
+engine's; HTTP: the client's; near 1, the client may be what limits the HTTP figures), the
+commit measured (`git describe --always --dirty`) and the logical CPUs Ray had (ray_cpus).
+Writes the same object to --out.
 """
 
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -42,6 +53,7 @@ import httpx
 import torch
 from httpx_sse import aconnect_sse
 
+from loadtests.cluster import free_port
 from model.sampling_params import GREEDY
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
 from service.engine.async_engine import AsyncEngine
@@ -50,9 +62,11 @@ from service.engine.request import GenerationParams
 
 CONCURRENCY = (1, 16, 32)
 MODES = ("inprocess", "stream", "nostream")  # stream, nostream: over HTTP
-PORT = 8766
 TORCH_THREADS = 1
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 300.0  # a bound on a start that cannot finish, not a speed limit
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "serving.json"
+QUICK_RESULTS = Path(tempfile.gettempdir()) / "benchmarks-quick" / "serving.json"
 REQUEST_TIMEOUT_S = 300.0
 PROMPTS = ["ROMEO:\n", "First Citizen:\n", "KING HENRY:\nNow", "To be", "JULIET:\nO", "MENENIUS:\n", "The king", "HAMLET:\n"]
 
@@ -81,6 +95,42 @@ def served_config(stream_interval_ms: float) -> ServiceConfig:
     update = {"device": "cpu", "torch_threads": TORCH_THREADS, "stream_interval_ms": stream_interval_ms}
     generator = default.generator.model_copy(update=update)
     return default.model_copy(update={"generator": generator})
+
+
+def ray_cpus(config: ServiceConfig) -> int:
+    """Logical CPUs enough for Ray to place every replica config's app can run: per model, its
+    replicas (autoscaling's max_replicas, else num_replicas, 1 by default) times each one's
+    ray_actor_options num_cpus (Serve's default 1); the ingress asks none. At least 2."""
+    asked = 0.0
+    for model in config.models:
+        options = model.serve_options
+        replicas = (options.get("autoscaling_config") or {}).get("max_replicas", options.get("num_replicas", 1))
+        asked += replicas * options.get("ray_actor_options", {}).get("num_cpus", 1)
+    return max(2, math.ceil(asked))
+
+
+def wait_ready(url: str, app: str, timeout_s: float) -> None:
+    """Returns once the app at url answers /readyz with 200; TimeoutError naming each deployment's
+    status (a replica Ray cannot place says so) when it has not within timeout_s."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # the proxy or the route is not up yet
+        time.sleep(0.5)
+    deployments = serve.status().applications[app].deployments
+    statuses = "; ".join(f"{name}: {d.status.value} {d.message}".strip() for name, d in deployments.items())
+    raise TimeoutError(f"the service was not ready within {timeout_s:.0f} s: {statuses}")
+
+
+def commit() -> str:
+    """The checked-out commit, `-dirty` when the work tree differs from it ("unknown" outside a git checkout)."""
+    described = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT)
+    return described.stdout.strip() or "unknown"
 
 
 def check_finish(finish_reason: str | None, tokens: int, max_tokens: int) -> None:
@@ -223,11 +273,14 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each mode at each concurrency, the best kept")
     parser.add_argument("--stream-interval-ms", type=float, default=ServiceConfig().generator.stream_interval_ms)
-    parser.add_argument("--quick", action="store_true", help="one request per client, one repeat: to check the script")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"one request per client, one repeat: to check the script (JSON to {QUICK_RESULTS})"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serving.json"))
+    parser.add_argument("--out", type=Path, default=None, help=f"where the JSON goes (default: {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args()
     tokens, (requests_per_client, repeats) = args.tokens, (1, 1) if args.quick else (args.requests_per_client, args.repeats)
+    out: Path = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     os.environ.update({**RAY_ENVIRONMENT, **LOCAL_RAY_ENVIRONMENT})  # before Ray is imported: everything on 127.0.0.1
     import ray
     from ray import serve
@@ -235,17 +288,18 @@ def main() -> None:
     from service.app import build_app
     from service.deployments import resolve_device
 
-    config = served_config(args.stream_interval_ms)
+    config, app, port = served_config(args.stream_interval_ms), "serving-benchmark", free_port()
+    cpus, measured = ray_cpus(config), commit()
     started = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=40)  # errors only
+    # address="local": a Ray of its own, never one already running on this machine.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=40)  # errors only
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        serve.run(build_app(config), name="serving-benchmark", route_prefix="/")
-        url = f"http://127.0.0.1:{PORT}"
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while httpx.get(f"{url}/readyz", timeout=10).status_code != 200:
-            assert time.monotonic() < deadline, f"the service was not ready within {READY_TIMEOUT_S:.0f} s"
-            time.sleep(0.5)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # Not waiting in Serve (that wait has no bound): wait_ready's deadline says what is stuck.
+        target = serve.RunTarget(build_app(config), name=app, route_prefix="/")
+        serve.run_many([target], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, app, READY_TIMEOUT_S)
         torch.set_num_threads(TORCH_THREADS)
         generator = config.generator
         engine = AsyncEngine(Engine.from_checkpoint(generator.checkpoint, generator.engine, *resolve_device(generator)))
@@ -257,6 +311,8 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     results: dict[str, Any] = {
+        "commit": measured,
+        "ray_cpus": cpus,
         "max_tokens": tokens,
         "requests_per_client": requests_per_client,
         "repeats": repeats,
@@ -265,8 +321,8 @@ def main() -> None:
         **figures(runs),
         "seconds": round(time.perf_counter() - started, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
     if args.json:
         print(json.dumps(results))

@@ -1,7 +1,8 @@
 """The files in deploy/, the Dockerfile and .dockerignore: every Serve config passes Ray's own schema
 and builds the app (Serve checks the deployment options), names shipped checkpoints and the pinned
-Ray; the RayService serves the GPU config verbatim and fits its replicas; the image copies what
-exists and runs the GPU config. (tests/cluster/ runs the configs and the image's command.)"""
+Ray, and writes each option the models share once (YAML anchors); the RayService serves the GPU
+config verbatim and fits its replicas; the image copies what exists and runs the GPU config.
+(tests/cluster/ runs the configs and the image's command.)"""
 
 import json
 import math
@@ -12,12 +13,14 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import ray
+import yaml
 from ray.scripts.scripts import start as ray_start
 from ray.serve._private.build_app import build_app
-from ray.serve.schema import ServeDeploySchema
+from ray.serve.config import AutoscalingConfig
+from ray.serve.schema import DeploymentSchema, ServeDeploySchema
 
 from service.app import app_builder
-from service.config import ServiceConfig
+from service.config import ModelServingConfig, ServiceConfig
 from tests.helpers import DEPLOY, ROOT, load, rayservice, serve_configs
 
 IMAGE_ROOT = Path("/app")  # the Dockerfile's WORKDIR
@@ -68,9 +71,28 @@ def test_every_serve_config_passes_rays_schema_and_builds_with_autoscaling_and_d
         assert built["Ingress"]._deployment_config.graceful_shutdown_timeout_s >= request_timeout_s, name
 
 
+def serve_config_texts() -> dict[str, str]:
+    """The Serve configs as written: the files, and the RayService's serveConfigV2."""
+    texts = {name: (DEPLOY / name).read_text() for name in ("serve_config.yaml", "serve_config.gpu.yaml")}
+    return {**texts, "rayservice.yaml": rayservice()["spec"]["serveConfigV2"]}
+
+
+def test_each_option_the_models_share_is_written_once_per_kind() -> None:
+    """Serve's options, and the model fields, are written in one entry of each kind at most (the
+    others merge it with `<<:`), never once per model: each name as a key, no more often than the
+    config serves kinds of model."""
+    names = {*DeploymentSchema.model_fields, *AutoscalingConfig.model_fields, *ModelServingConfig.model_fields} - {"name", "checkpoint"}
+    for config, text in serve_config_texts().items():
+        kinds = {m.kind for m in ServiceConfig(**yaml.safe_load(text)["applications"][0]["args"]).models}
+        for name in names:
+            written = len(re.findall(rf"^\s*{name}:", text, re.MULTILINE))
+            assert written <= len(kinds), f"{config}: {name} written {written} times for {len(kinds)} kinds of model"
+
+
 def test_the_rayservice_serves_the_gpu_config_verbatim_with_the_pinned_ray() -> None:
-    configs = serve_configs()
+    configs, gpu = serve_configs(), (DEPLOY / "serve_config.gpu.yaml").read_text()
     assert configs["rayservice.yaml"] == configs["serve_config.gpu.yaml"]
+    assert serve_config_texts()["rayservice.yaml"] == gpu[gpu.index("proxy_location:") :]  # the comments and anchors too
     assert rayservice()["spec"]["rayClusterConfig"]["rayVersion"] == pinned("ray") == ray.__version__
 
 

@@ -1,0 +1,142 @@
+"""Every benchmark command the README and docs list runs in its quickest form, as a user starts it
+(a subprocess in the repository), finishes, and writes the figures the docs' tables are made of:
+each table that benchmarks.report renders from a benchmark's JSON renders from the quick run's.
+The full tier (a few minutes in all). Not here: benchmarks.vs_vllm (it installs vLLM in a
+virtualenv of its own) and benchmarks.gpu (a GPU; tests/test_gpu_check.py runs its CPU tier)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from benchmarks import front_door, peers, report
+from service.config import ServiceConfig
+from tests.hf_folders import build_llama_folder, build_marian_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 600  # a bound on a run that cannot finish, not a speed limit
+
+
+def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m module args` in the repository; it must exit 0."""
+    command = [sys.executable, "-m", module, *args]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return done
+
+
+def printed_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The JSON object a --json run prints as its last line."""
+    figures: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def rendered(monkeypatch: pytest.MonkeyPatch, results: Path, *names: str) -> None:
+    """The docs' tables `names` render from the JSON files in results (benchmarks.report)."""
+    monkeypatch.setattr(report, "RESULTS", results)
+    for name in names:
+        assert "|" in report.REPORTS[name](), name
+
+
+def llama_ending_early(path: Path) -> Path:
+    """A Llama folder (tests/hf_folders.py) with room for a prompt and peers.NEW_TOKENS, whose
+    generation_config adds one more eos id: the token it makes fifth after the peers' first
+    prompt, so that greedy generation ends that prompt after 4 tokens."""
+    folder = build_llama_folder(path, max_positions=256)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer(peers.PROMPTS[0], return_tensors="pt")["input_ids"]
+    made = model.generate(prompt, max_new_tokens=5, do_sample=False)[0, prompt.shape[1] :].tolist()
+    assert len(made) == 5 and made[4] not in made[:4], made
+    config_path = folder / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = [*config["eos_token_id"], made[4]]
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+def test_engine_quick_writes_its_figures_to_a_temporary_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = printed_json(run("benchmarks.engine", "--quick", "--json", env={"TMPDIR": str(tmp_path)}))
+    written = tmp_path / "benchmarks-quick"  # --quick without --out: never over benchmarks/results
+    assert json.loads((written / "engine.json").read_text()) == figures
+    assert (written / "engine_concurrency.png").stat().st_size > 0
+    for key in ["kv_cache_speedup", "batching_speedup_16", "continuous_vs_static_throughput", "translator_sentences_per_s"]:
+        assert figures[key] > 0, key
+    assert all(row["tokens_per_s"] > 0 and row["p99_latency_s"] > 0 for row in figures["concurrency_curve"])
+    rendered(monkeypatch, written, "engine-concurrency")
+
+
+def test_peers_quick_on_the_shipped_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = printed_json(run("benchmarks.peers", "--quick", "--json", "--out", str(tmp_path)))
+    assert json.loads((tmp_path / "peers.json").read_text()) == figures and (tmp_path / "peers.png").stat().st_size > 0
+    # The shipped generator makes all its tokens on every prompt: 2 prompts one after another, then 16 at once.
+    assert figures["generate_batch_1_tokens_ours"] == 2 * peers.NEW_TOKENS
+    assert figures["generate_batch_16_tokens_ours"] == 16 * peers.NEW_TOKENS
+    for work in report.WORKS:
+        assert all(figures[f"{work}_vs_{peer}"] > 0 for peer in peers.PEERS), work
+    rendered(monkeypatch, tmp_path, "peers", "peers-targets")
+
+
+def test_peers_quick_on_hugging_face_folders_counts_what_a_generator_ending_at_eos_made(tmp_path: Path) -> None:
+    """`--translator PATH --generator FOLDER`: a Marian translator, and a Llama generator that ends
+    its first prompt at an eos id: every system is counted by the tokens it generated."""
+    translator = build_marian_folder(tmp_path / "opus-mt-en-fr")
+    generator = llama_ending_early(tmp_path / "llama-ending-early")
+    out = tmp_path / "out"
+    args = ["--quick", "--json", "--translator", str(translator), "--generator", str(generator), "--out", str(out)]
+    figures = printed_json(run("benchmarks.peers", *args))
+    assert json.loads((out / "peers.json").read_text()) == figures
+    assert figures["models"]["generator"]["kind"] == "hugging_face"
+    made = figures["generate_batch_1_tokens_ours"]  # 2 prompts, the first ended after 4 tokens
+    assert 4 <= made < 2 * peers.NEW_TOKENS
+    assert figures["generate_batch_1_tokens_transformers"] == made  # the same work: transformers ends at the same eos ids
+    assert figures["generate_batch_1_same_as_ours_transformers"] == 1.0
+    assert all(figures[f"generate_batch_1_tokens_per_s_{system}"] > 0 for system in peers.SYSTEMS)
+    for work in ["translate_greedy", "translate_beam4"]:
+        assert all(figures[f"{work}_sentences_per_s_{system}"] > 0 for system in peers.SYSTEMS), work
+
+
+def test_serving_quick_serves_the_default_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default service (three models) on this machine's cores: Ray is given room for every
+    replica it asks, and every mode makes the same tokens."""
+    figures = printed_json(run("benchmarks.serving", "--quick", "--json", "--tokens", "16", "--out", str(tmp_path / "serving.json")))
+    assert json.loads((tmp_path / "serving.json").read_text()) == figures
+    assert figures["ray_cpus"] >= len(ServiceConfig().models) and figures["commit"]
+    for n in (1, 16, 32):
+        assert figures[f"inprocess_{n}_tokens"] == figures[f"http_{n}_stream_tokens"] == figures[f"http_{n}_nostream_tokens"] > 0
+        assert figures[f"http_vs_inprocess_{n}_stream"] > 0 and figures[f"http_vs_inprocess_{n}_nostream"] > 0
+        assert figures[f"http_{n}_stream_ttft_p50_ms"] > 0
+    rendered(monkeypatch, tmp_path, "serving")
+
+
+@pytest.mark.skipif(shutil.which("ab") is None, reason="Apache's ab is not installed (Debian: apache2-utils; .ci/run installs it)")
+def test_front_door_quick_measures_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = printed_json(run("benchmarks.front_door", "--quick", "--json", "--out", str(tmp_path / "front_door.json")))
+    assert json.loads((tmp_path / "front_door.json").read_text()) == figures
+    assert figures["refusal"]["status"] == 429
+    for c in (50, 400):
+        assert figures[f"healthz_c{c}"]["non_2xx"] == 0
+        assert figures[f"refused_completion_c{c}"]["non_2xx"] == front_door.QUICK_REQUESTS  # every completion refused
+        assert figures[f"refused_vs_healthz_p50_c{c}"] > 0
+    rendered(monkeypatch, tmp_path, "front-door")
+
+
+def test_structured_quick(tmp_path: Path) -> None:
+    figures = printed_json(run("benchmarks.structured", "--quick", "--json", "--out", str(tmp_path)))
+    assert json.loads((tmp_path / "structured.json").read_text()) == figures
+    batches = [figures[key] for key in figures if key.startswith("batch_")]
+    assert batches and all(b["constrained_tok_s"] > 0 and b["unconstrained_tok_s"] > 0 and b["ratio"] > 0 for b in batches)
+
+
+def test_linear_quick() -> None:
+    figures = printed_json(run("benchmarks.linear", "--quick", "--json"))
+    assert all(figures[f"{kind}_speedup_{rows}"] > 0 for kind in ("packed", "projection") for rows in (1, 16))
+
+
+def test_report_check_finds_every_page_up_to_date() -> None:
+    assert run("benchmarks.report", "--check").stdout == ""
