@@ -14,6 +14,10 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY model ./model
+COPY decoding ./decoding
+COPY loading ./loading
+COPY exports ./exports
+COPY training ./training
 COPY service ./service
 COPY benchmarks ./benchmarks
 COPY deploy ./deploy

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
-from model.data import SHARED_DATA, read_lines
+from decoding.reference_decoding import generate_greedy_uncached
+from decoding.sampling_params import GREEDY
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from model.generator import Generator
-from model.reference_decoding import generate_greedy_uncached
-from model.sampling_params import GREEDY
 from service.engine.config import BatchingPolicy, EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
+from training.data import SHARED_DATA, read_lines
 
 RESULTS = Path("benchmarks/results")
 QUICK_RESULTS = Path(tempfile.gettempdir()) / "benchmarks-quick"

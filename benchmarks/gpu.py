@@ -13,7 +13,7 @@ Keys:
   exactness tests run on the device; test files that need what the machine lacks (ctranslate2,
   Ray, FastAPI, pydantic) are listed as not collected. On the CPU with --quick: "skipped (--quick)".
 - engine_equals_recomputation (bool): (b) float32, the engine (on CUDA its CUDA graphs) equals
-  full recomputation (model/reference_decoding.py) on the shipped generator and translator, greedy.
+  full recomputation (decoding/reference_decoding.py) on the shipped generator and translator, greedy.
 - bf16_agreement, bf16_bleu, fp32_bleu, bf16_bleu_delta: (b) greedy translations of test_2016
   (1,000 sentences; --quick 100, on the CPU 8) by the engine in bfloat16 and in float32: the
   share of identical outputs, and sacreBLEU (bf16 - fp32). Targets: agreement >= 0.97, |delta| <= 0.3.
@@ -39,9 +39,9 @@ Keys:
 - device, dtype (of the throughput runs: bfloat16 on CUDA, float32 on the CPU), quick, seconds.
 
 Needs only what the GPU machine has: torch, numpy, sentencepiece, safetensors, transformers,
-tokenizers, sacrebleu and pytest (model/export.py imports ctranslate2 only for its own exports;
+tokenizers, sacrebleu and pytest (exports/export.py imports ctranslate2 only for its own exports;
 tests/test_gpu_check.py imports this module with Ray, FastAPI, pydantic, starlette and
-ctranslate2 blocked). Data: Multi30k's test_2016_flickr en/de (model/data.py's SHARED_DATA).
+ctranslate2 blocked). Data: Multi30k's test_2016_flickr en/de (training/data.py's SHARED_DATA).
 """
 
 import argparse
@@ -62,17 +62,17 @@ import sacrebleu
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
-from model.data import SHARED_DATA, read_lines
-from model.export import export_hf
+from decoding.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from decoding.sampling_params import GREEDY
+from decoding.translate import max_new_tokens_for, pad_batch
+from exports.export import export_hf
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
 from model.generator import Generator
-from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.sampling_params import GREEDY
-from model.translate import max_new_tokens_for, pad_batch
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner, TranslatorRunner
+from training.data import SHARED_DATA, read_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI30K = SHARED_DATA / "multi30k"

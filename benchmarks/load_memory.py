@@ -4,7 +4,7 @@
 
 Without FOLDER, builds once into runs/load_memory/ a bf16 LlamaForCausalLM of 83M parameters with
 random weights (166 MB: 16 layers, hidden 512, 8 heads over 4 key/value heads, 32,000 ids, untied;
-tests/hf_folders.py's tokenizer). A fresh process loads it on the CPU (model.checkpoint's
+tests/hf_folders.py's tokenizer). A fresh process loads it on the CPU (loading.checkpoint's
 load_checkpoint, in --dtype): the peak is its largest resident set while loading (Linux's VmHWM,
 reset just before) less its resident set just before, and the ratio that peak over the bytes of the
 model's parameters and buffers. Prints one JSON object.
@@ -64,7 +64,7 @@ def load_and_measure(folder: Path, dtype: str) -> dict[str, Any]:
     Not ru_maxrss: a child's counts the parent's resident set it was forked with."""
     import torch
 
-    from model.checkpoint import load_checkpoint
+    from loading.checkpoint import load_checkpoint
 
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM starts again from the resident set now
     before = _status_bytes("VmRSS")

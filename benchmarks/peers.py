@@ -4,9 +4,9 @@
                                [--threads 1] [--repeats 2] [--quick]
 
 --translator and --generator (default: the shipped checkpoints) each take our checkpoint folder or
-a Hugging Face one (MarianMTModel; GPTNeoXForCausalLM or the Llama family; model/folder.py tells
+a Hugging Face one (MarianMTModel; GPTNeoXForCausalLM or the Llama family; loading/folder.py tells
 which). Our engine loads the folder itself (Engine.from_checkpoint). For our folders the peers run
-exact exports made into a temporary folder (model/export.py); a Hugging Face folder transformers
+exact exports made into a temporary folder (exports/export.py); a Hugging Face folder transformers
 loads as it is and CTranslate2 gets through its TransformersConverter (its Marian converter starts
 the decoder from a zero embedding, as Marian's own models do). Every system in float32; CTranslate2 int8 is
 its float32 model quantised at load. Same threads (torch intra-op threads for ours and
@@ -75,16 +75,16 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_config
-from model.data import SHARED_DATA, read_lines
-from model.export import export_ct2, export_hf
-from model.folder import CheckpointError, FolderInfo, ModelKind, inspect_folder, read_json
-from model.sampling_params import GREEDY
-from model.tokenizer import Tokenizer
-from model.translate import max_new_tokens_for
+from decoding.sampling_params import GREEDY
+from decoding.translate import max_new_tokens_for
+from exports.export import export_ct2, export_hf
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_config
+from loading.folder import CheckpointError, FolderInfo, ModelKind, inspect_folder, read_json
+from loading.tokenizer import Tokenizer
 from service.engine.config import EngineConfig, serving_context
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
+from training.data import SHARED_DATA, read_lines
 
 SYSTEMS = ["ours", "ours_int8", "transformers", "ct2_float32", "ct2_int8"]
 PEERS = SYSTEMS[2:]

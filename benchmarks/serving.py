@@ -53,8 +53,8 @@ import httpx
 import torch
 from httpx_sse import aconnect_sse
 
+from decoding.sampling_params import GREEDY
 from loadtests.cluster import free_port
-from model.sampling_params import GREEDY
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
 from service.engine.async_engine import AsyncEngine
 from service.engine.engine import Engine

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import DEFAULT_GENERATOR
-from model.sampling_params import SamplingParams
+from decoding.sampling_params import SamplingParams
+from loading.checkpoint import DEFAULT_GENERATOR
 from service.engine.config import EngineConfig, StructuredOutput
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
@@ -83,7 +83,7 @@ def large_vocabulary_folder(vocab_size: int) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from model.data import SHARED_DATA, read_lines
+    from training.data import SHARED_DATA, read_lines
 
     folder = Path("runs") / f"structured-vocab-{vocab_size}"
     if (folder / "model.safetensors").is_file():

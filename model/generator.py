@@ -1,6 +1,6 @@
 """Decoder-only Transformer language model, laid out as GPT-NeoX (sequential residual, rotary positions).
 
-A Hugging Face GPT-NeoX folder (Pythia; model/hf/gpt_neox.py) may use the parallel residual, rotate
+A Hugging Face GPT-NeoX folder (Pythia; loading/hf/gpt_neox.py) may use the parallel residual, rotate
 part of each head, and untie the output projection (lm_head). A Llama-style folder (Llama, Qwen2,
 Mistral) brings RMSNorm, SwiGLU, grouped-query attention, its own head size and biases, and scaled RoPE."""
 

@@ -1,7 +1,7 @@
 """Encoder-decoder Transformer for translation (Vaswani et al. 2017), laid out as MarianMT.
 
 Post-LN layers, sinusoidal positions, one embedding table shared by source, target and the
-output projection, embeddings scaled by sqrt(d_model). A Hugging Face Marian folder (model/hf/marian.py)
+output projection, embeddings scaled by sqrt(d_model). A Hugging Face Marian folder (loading/hf/marian.py)
 may untie the output projection (lm_head), add a bias to the logits (its final_logits_bias) and lay
 the sinusoids out in halves.
 """

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from model.folder import CheckpointError, ModelKind, inspect_folder
+from loading.folder import CheckpointError, ModelKind, inspect_folder
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, DEFAULT_TRANSLATOR_FR
 from service.engine.config import EngineConfig
 
@@ -56,7 +56,7 @@ def checked_serve_options(options: dict[str, Any]) -> dict[str, Any]:
 class ModelServingConfig(BaseModel):
     """One model deployment: its checkpoint, its engine's limits and defaults (per replica), and
     its replicas. Its kind and a translator's languages are read from the checkpoint folder
-    (model/folder.py) unless the entry sets them."""
+    (loading/folder.py) unless the entry sets them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

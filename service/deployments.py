@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from ray import serve
 
-from model.chat_template import ChatTemplateError
-from model.checkpoint import WeightType
-from model.tokenizer import TextTokenizer
-from model.tool_calls import FunctionTool, ToolCallParser, forced_call_grammar, tool_call_format
+from loading.chat_template import ChatTemplateError
+from loading.checkpoint import WeightType
+from loading.tokenizer import TextTokenizer
+from loading.tool_calls import FunctionTool, ToolCallParser, forced_call_grammar, tool_call_format
 from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
 from service.engine.config import StructuredOutput, TokenLogprob

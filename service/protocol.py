@@ -17,7 +17,7 @@ Closing the stream early cancels the request; it stops using the model within on
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from model.sampling_params import SamplingParams
+from decoding.sampling_params import SamplingParams
 from service.engine.config import FinishReason, StructuredOutput, TokenLogprob
 
 # invalid: the request can never be served as asked (HTTP 400); overloaded: the replica's queue is

@@ -17,8 +17,8 @@ import yaml
 from httpx_sse import aconnect_sse, connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from loadtests.cluster import free_port
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.api.backend import Backends, ModelBackend
 from service.config import ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig

@@ -40,9 +40,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from model.data import SHARED_DATA, read_lines
-from model.folder import CheckpointError
-from model.hf.load import load_hf_folder
+from loading.folder import CheckpointError
+from loading.hf.load import load_hf_folder
+from training.data import SHARED_DATA, read_lines
 
 SENTENCES = 3000  # training sentences per language
 MARIAN_SPECIAL = ["</s>", "<unk>"]  # ids 0 and 1, as opus-mt; <pad> is the last id

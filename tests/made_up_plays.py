@@ -1,4 +1,4 @@
-"""Made-up Tiny Shakespeare texts of several plays, each with a cast of its own: what model/data.py's
+"""Made-up Tiny Shakespeare texts of several plays, each with a cast of its own: what training/data.py's
 whole-play split needs to find plays in a test's data."""
 
 import random

@@ -1,4 +1,6 @@
-"""Dependencies point one way: model/ <- service/engine/ <- the HTTP and Ray layers."""
+"""Dependencies point one way: model/ (the Transformer's modules) <- loading/ (checkpoints,
+tokenizers, chat templates) <- decoding/ <- service/engine/ <- the HTTP and Ray layers; exports/
+and training/ sit on top, and nothing that serves imports them."""
 
 import ast
 import subprocess
@@ -29,9 +31,33 @@ def imports_any(names: set[str], packages: set[str]) -> bool:
     return any(n == p or n.startswith(p + ".") for n in names for p in packages)
 
 
+OURS = {"model", "loading", "decoding", "exports", "training", "service", "benchmarks", "loadtests"}
+# Each package's own imports among OURS (besides itself): what sits below it.
+BELOW = {
+    "model": set(),
+    "loading": {"model"},
+    "decoding": {"model", "loading"},
+    "exports": {"model", "loading", "decoding"},
+    "training": {"model", "loading", "decoding", "exports"},
+}
+
+
 def test_model_imports_neither_service_nor_serving_frameworks() -> None:
     for path, names in imported_modules("model").items():
         assert not imports_any(names, {"service", "ray", "fastapi", "pydantic"}), path
+
+
+def test_each_package_imports_only_the_packages_below_it() -> None:
+    for package, below in BELOW.items():
+        for path, names in imported_modules(package).items():
+            assert not imports_any(names, OURS - below - {package}), path
+
+
+def test_nothing_that_serves_imports_training_evaluation_or_exports() -> None:
+    """The engine, the HTTP layer and the Ray layer (and what they import below them)."""
+    for package in ("service", "model", "loading", "decoding"):
+        for path, names in imported_modules(package).items():
+            assert not imports_any(names, {"training", "exports"}), path
 
 
 def test_engine_imports_no_ray_fastapi_pydantic_or_upper_layers() -> None:
@@ -53,7 +79,7 @@ def test_the_check_sees_nested_and_relative_imports(tmp_path: Path) -> None:
 
 def test_the_protocol_imports_no_framework_and_no_tensor_library() -> None:
     # The engine's shared words and what a request asks of sampling: both torch-free.
-    names = imported_modules("service")["service/protocol.py"] - {"service.engine.config", "model.sampling_params"}
+    names = imported_modules("service")["service/protocol.py"] - {"service.engine.config", "decoding.sampling_params"}
     assert not imports_any(names, {"ray", "fastapi", "starlette", "pydantic", "torch", "numpy", "service", "model"}), names
 
 

@@ -1,6 +1,6 @@
 """The documents of shakespeare_next_line: which line comes next, from the generator's validation text.
 
-From each held-out play of model.data.shakespeare_split (text a generator trained on it never saw),
+From each held-out play of training.data.shakespeare_split (text a generator trained on it never saw),
 DOCUMENTS / (number of held-out plays) speeches of three or more lines, chosen with SEED: the
 context is the speaker's line and the speech's first line, the true choice its second line; three
 distractors are lines of other speeches of the same play. Every line keeps its newline.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import datasets
 
-from model.data import SHARED_DATA, shakespeare_split
+from training.data import SHARED_DATA, shakespeare_split
 
 DOCUMENTS = 20
 DISTRACTORS = 3

@@ -8,7 +8,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 
-from model.sampling_params import GREEDY
+from decoding.sampling_params import GREEDY
 from service.api.backend import MODEL_EXTENSION
 from service.api.errors import APIError
 from service.api.language_id import detect_languages

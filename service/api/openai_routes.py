@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from model.sampling_params import SamplingParams
+from decoding.sampling_params import SamplingParams
 from service.api.backend import MODEL_EXTENSION, Backends, answered, ended_in_failure, failed, final_chunk, open_streams
 from service.api.errors import APIError
 from service.api.routing import model_by_name, model_of_any_kind

@@ -2,7 +2,7 @@
 either, the first model of the route's kind (ServiceConfig.models' order). Unknown names and
 pairs are 4xx errors that say what is served."""
 
-from model.folder import ModelKind
+from loading.folder import ModelKind
 from service.api.errors import APIError
 from service.api.language_id import LANGUAGE_NAMES, NOT_SOURCE_CONFIDENCE, detect_languages
 from service.config import ModelServingConfig, ServiceConfig

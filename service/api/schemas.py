@@ -7,7 +7,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 from pydantic.alias_generators import to_camel
 from pydantic.json_schema import SkipJsonSchema
 
-from model.sampling_params import SamplingParams
+from decoding.sampling_params import SamplingParams
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False, strict=False)]
 

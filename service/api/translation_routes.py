@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from model.sampling_params import GREEDY
+from decoding.sampling_params import GREEDY
 from service.api.backend import MODEL_EXTENSION, Backends, ModelBackend, attention_map, ended_in_failure, failed, open_stream, open_streams
 from service.api.errors import APIError
 from service.api.routing import translator_for

@@ -4,7 +4,7 @@ text of the first `min_tokens` tokens."""
 
 import codecs
 
-from model.tokenizer import TextTokenizer
+from loading.tokenizer import TextTokenizer
 
 
 class IncrementalDetokenizer:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import WeightType, load_checkpoint
+from loading.checkpoint import WeightType, load_checkpoint
 from model.packed_linear import pack_linear_layers, packing_available
 from service.engine.config import EngineConfig, FinishReason, TokenLogprob
 from service.engine.detokenizer import IncrementalDetokenizer

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from model.tokenizer import TextTokenizer
+from loading.tokenizer import TextTokenizer
 from service.engine.runner import ModelRunner, RunnerOutput
 from service.engine.scheduler import SchedulerOutput
 

@@ -22,7 +22,7 @@ import llguidance
 import torch
 from torch import Tensor
 
-from model.tokenizer import TextTokenizer
+from loading.tokenizer import TextTokenizer
 from service.engine.config import StructuredOutput
 from service.engine.errors import InvalidRequestError
 from service.engine.request import Request

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
+from loading.checkpoint import Model, load_checkpoint
+from loading.tokenizer import TextTokenizer
 from model.attention_maps import cross_attention, self_attention
-from model.checkpoint import Model, load_checkpoint
 from model.generator import Generator
-from model.tokenizer import TextTokenizer
 from service.engine.errors import InvalidRequestError
 
 

@@ -7,8 +7,8 @@ from enum import Enum
 import llguidance
 import torch
 
-from model.beam_search import BeamState
-from model.sampling_params import SamplingParams
+from decoding.beam_search import BeamState
+from decoding.sampling_params import SamplingParams
 from service.engine.config import FinishReason, StructuredOutput, TokenLogprob
 
 

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model.beam_search import BeamState, Hypothesis, step_beams
+from decoding.beam_search import BeamState, Hypothesis, step_beams
+from decoding.sampling import adjust_logits, sample_next, suppress, suppressed_index
+from decoding.translate import max_new_tokens_for, pad_batch
+from loading.tokenizer import TextTokenizer
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, PagedKVCache, ragged_step
-from model.sampling import adjust_logits, sample_next, suppress, suppressed_index
-from model.tokenizer import TextTokenizer
-from model.translate import max_new_tokens_for, pad_batch
 from model.translator import Translator
 from service.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, TokenLogprob, serving_context
 from service.engine.fixed_shape import GeneratorDecoder, PagedFed, TranslatorDecoder

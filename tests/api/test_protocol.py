@@ -6,7 +6,7 @@ from collections.abc import AsyncGenerator
 import pytest
 from fastapi.testclient import TestClient
 
-from model.sampling_params import GREEDY
+from decoding.sampling_params import GREEDY
 from service.api.app import create_api
 from service.api.backend import STATUS_OF_REFUSAL
 from service.config import ServiceConfig

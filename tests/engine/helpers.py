@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
+from loading.checkpoint import DEFAULT_GENERATOR, load_checkpoint
+from loading.tokenizer import EOS_ID, PAD_ID
 from model.generator import Generator
-from model.tokenizer import EOS_ID, PAD_ID
 from service.engine.engine import Engine
 from service.engine.request import Delta, Request
 from service.engine.runner import RunnerOutput

@@ -16,19 +16,19 @@ import pytest
 import torch
 from torch import Tensor
 
-from model.beam_search import beam_search
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
-from model.data import SHARED_DATA, pad, read_lines
+from decoding.beam_search import beam_search
+from decoding.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from decoding.sampling_params import GREEDY
+from decoding.translate import greedy_translate
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
 from model.generator import Generator
 from model.masks import padding_mask
-from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.sampling_params import GREEDY
-from model.translate import greedy_translate
 from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from tests.engine.helpers import assert_equal_up_to_a_tie, run
+from training.data import SHARED_DATA, pad, read_lines
 
 WEIGHTS: list[WeightType] = [torch.float32, "int8"]
 TIE: dict[WeightType, float] = {torch.float32: 1e-4, "int8": 0.1}  # logits closer than this are a tie

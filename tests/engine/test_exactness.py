@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import service.engine.runner as runner_module
-from model.beam_search import beam_search
+from decoding.beam_search import beam_search
+from decoding.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from decoding.sampling_params import GREEDY, SamplingParams
+from loading.tokenizer import EOS_ID
 from model.config import TranslatorConfig
 from model.kv_cache import cache_rows, read_rows
-from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.sampling_params import GREEDY, SamplingParams
-from model.tokenizer import EOS_ID
 from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from decoding.sampling_params import GREEDY
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from loading.tokenizer import EOS_ID
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
 from model.kv_cache import LayerCaches, PagedKVCache
-from model.sampling_params import GREEDY
-from model.tokenizer import EOS_ID
 from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine

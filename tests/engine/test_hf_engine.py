@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-from model.checkpoint import load_checkpoint
-from model.data import SHARED_DATA, read_lines
+from decoding.sampling_params import GREEDY, SamplingParams
+from decoding.translate import max_new_tokens_for
+from loading.checkpoint import load_checkpoint
 from model.generator import Generator
-from model.sampling_params import GREEDY, SamplingParams
-from model.translate import max_new_tokens_for
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner
 from tests.engine.helpers import deltas_of, run
 from tests.hf_folders import build_gpt_neox_folder, build_llama_folder, build_marian_folder
+from training.data import SHARED_DATA, read_lines
 
 SENTENCES = 40
 

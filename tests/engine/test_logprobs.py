@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.checkpoint import DEFAULT_GENERATOR, load_native_checkpoint
-from model.sampling_params import GREEDY
+from decoding.sampling_params import GREEDY
+from loading.checkpoint import DEFAULT_GENERATOR, load_native_checkpoint
 from service.engine.config import EngineConfig, TokenLogprob
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError

@@ -13,15 +13,15 @@ import torch
 from torch import Tensor, nn
 
 import service.engine.runner as runner_module
-from model.beam_search import beam_search
-from model.checkpoint import DEFAULT_GENERATOR
+from decoding.beam_search import beam_search
+from decoding.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from decoding.sampling_params import GREEDY, SamplingParams
+from decoding.translate import greedy_translate, pad_batch
+from loading.checkpoint import DEFAULT_GENERATOR
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
 from model.packed_linear import pack_linear_layers, packing_available
 from model.quantize import quantize_int8
-from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.sampling_params import GREEDY, SamplingParams
-from model.translate import greedy_translate, pad_batch
 from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
@@ -34,7 +34,7 @@ MARIAN_LIKE: dict[str, Any] = {"pad_id": 63, "decoder_start_id": 63, "eos_id": 0
 NEOX_LIKE: dict[str, Any] = {"pad_id": 11, "bos_id": 7, "eos_id": 9, "suppressed_ids": (11,)}
 SOURCES = [[12, 9, 13, 7, 0], [40, 0], [8, 8, 8, 8, 8, 8, 0], [21, 33, 0], [17, 44, 52, 0]]  # each ends with eos 0
 PROMPTS = [[12, 13, 14], [7], [40, 41, 42, 43, 44], [20], [33, 8]]
-OUR_EOS = 3  # model/tokenizer.py's EOS_ID: an ordinary token for these models
+OUR_EOS = 3  # loading/tokenizer.py's EOS_ID: an ordinary token for these models
 
 
 class FakeTokenizer:

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from model.checkpoint import DEFAULT_TRANSLATOR, load_checkpoint
+from decoding.sampling_params import GREEDY
+from loading.checkpoint import DEFAULT_TRANSLATOR, load_checkpoint
+from loading.tokenizer import TextTokenizer
 from model.generator import Generator
 from model.kv_cache import PagedKVCache
-from model.sampling_params import GREEDY
-from model.tokenizer import TextTokenizer
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine, StepReport
 from service.engine.errors import InvalidRequestError

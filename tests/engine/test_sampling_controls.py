@@ -3,8 +3,8 @@ token, and a token id outside the vocabulary is refused before anything runs; mi
 
 import pytest
 
-from model.checkpoint import DEFAULT_GENERATOR
-from model.sampling_params import SamplingParams
+from decoding.sampling_params import SamplingParams
+from loading.checkpoint import DEFAULT_GENERATOR
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError

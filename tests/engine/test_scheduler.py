@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from model.sampling_params import SamplingParams
+from decoding.sampling_params import SamplingParams
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError, QueueFullError

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.sampling_params import SamplingParams
+from decoding.sampling_params import SamplingParams
 from service.engine.config import EngineConfig, StructuredOutput
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError
@@ -37,7 +37,7 @@ BOUNDED = 200  # tokens: more than any output PERSON allows (each token at least
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
+    from loading.checkpoint import DEFAULT_GENERATOR, load_checkpoint
     from service.engine.runner import runner_for
 
     _, tokenizer = load_checkpoint(DEFAULT_GENERATOR)

@@ -5,11 +5,11 @@ from typing import Any
 
 import torch
 
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from loading.tokenizer import EOS_ID
 from model.attention import MultiHeadAttention
 from model.attention_maps import cross_attention, self_attention
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from model.layers import DecoderLayer
-from model.tokenizer import EOS_ID
 
 
 def test_cross_attention_maps_equal_softmax_of_scaled_scores_by_hand() -> None:

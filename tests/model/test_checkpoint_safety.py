@@ -1,5 +1,5 @@
 """Weights load only through safetensors: a pickle in place of a checkpoint is refused and runs
-nothing, and training's resume (model/train.py) reads its state.pt with `weights_only=True`."""
+nothing, and training's resume (training/train.py) reads its state.pt with `weights_only=True`."""
 
 import ast
 import pickle
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from model.checkpoint import DEFAULT_GENERATOR, load_checkpoint
+from loading.checkpoint import DEFAULT_GENERATOR, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_a_pickle_in_place_of_the_weights_is_refused_and_runs_nothing(tmp_path: 
 
 
 def test_training_resume_refuses_a_pickled_state(tmp_path: Path) -> None:
-    """model/train.py resumes with `torch.load(state_path, ..., weights_only=True)`: the same call
+    """training/train.py resumes with `torch.load(state_path, ..., weights_only=True)`: the same call
     on a state.pt carrying code refuses it before running anything."""
     marker = tmp_path / "pwned"
     write_payload(tmp_path / "state.pt", marker, "torch.save")
@@ -75,11 +75,12 @@ def calls_and_imports(package: str) -> tuple[list[tuple[str, ast.Call]], set[str
     return loads, imported
 
 
-@pytest.mark.parametrize("package", ["model", "service"])
+@pytest.mark.parametrize("package", ["model", "loading", "decoding", "exports", "training", "service"])
 def test_nothing_is_unpickled_but_through_weights_only(package: str) -> None:
     loads, imported = calls_and_imports(package)
     assert not imported & {"pickle", "dill", "cloudpickle", "joblib"}
     for path, call in loads:
         weights_only = [k.value for k in call.keywords if k.arg == "weights_only"]
         assert len(weights_only) == 1 and isinstance(weights_only[0], ast.Constant) and weights_only[0].value is True, path
-    assert sorted(path for path, _ in loads) == (["model/hf/load.py", "model/train.py"] if package == "model" else [])
+    expected = {"loading": ["loading/hf/load.py"], "training": ["training/train.py"]}  # weights_only, checked above
+    assert sorted(path for path, _ in loads) == expected.get(package, [])

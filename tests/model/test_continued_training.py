@@ -10,16 +10,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from model import train
-from model.average import average_checkpoints
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint, save_checkpoint
-from model.data import collate_pairs, encode_pairs, file_sha256, token_budget_batches
+from decoding.translate import translate_sentences
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint, save_checkpoint
+from loading.tokenizer import PAD_ID
 from model.generator import Generator
-from model.tokenizer import PAD_ID
-from model.train import Job, generator_job, parse_args, translator_job, warmup_constant_linear_schedule
-from model.translate import translate_sentences
 from model.translator import Translator
 from tests.made_up_plays import plays_text
+from training import train
+from training.average import average_checkpoints
+from training.data import collate_pairs, encode_pairs, file_sha256, token_budget_batches
+from training.train import Job, generator_job, parse_args, translator_job, warmup_constant_linear_schedule
 
 ENGLISH = ["A man is riding a bike.", "Two dogs play in the snow.", "A woman reads a book in the park.", "Children are running."]
 GERMAN = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee.", "Eine Frau liest im Park ein Buch.", "Kinder rennen."]

@@ -16,17 +16,17 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
 
 from benchmarks import peers
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_native_checkpoint
+from decoding.reference_decoding import generate_greedy_uncached
+from decoding.translate import greedy_translate, max_new_tokens_for
+from exports.export import export_ct2, export_hf, gpt_neox_config, marian_config, marian_permutation
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_native_checkpoint
+from loading.folder import FolderInfo
+from loading.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from model.config import GeneratorConfig, TranslatorConfig
-from model.data import SHARED_DATA, pad, read_lines
-from model.export import export_ct2, export_hf, gpt_neox_config, marian_config, marian_permutation
-from model.folder import FolderInfo
 from model.generator import Generator
 from model.positions import sinusoidal_table
-from model.reference_decoding import generate_greedy_uncached
-from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from model.translate import greedy_translate, max_new_tokens_for
 from model.translator import Translator
+from training.data import SHARED_DATA, pad, read_lines
 
 ATOL = 1e-4
 TEST_SOURCES = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")
@@ -62,7 +62,7 @@ def generator() -> tuple[Generator, Tokenizer]:
 def exports(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """hf-translator (through the command line), hf-generator, ct2-translator, ct2-generator."""
     out = tmp_path_factory.mktemp("exports")
-    command = [sys.executable, "-m", "model.export", "hf", "--checkpoint", str(DEFAULT_TRANSLATOR), "--out", str(out / "hf-translator")]
+    command = [sys.executable, "-m", "exports.export", "hf", "--checkpoint", str(DEFAULT_TRANSLATOR), "--out", str(out / "hf-translator")]
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
     export_hf(DEFAULT_GENERATOR, out / "hf-generator")
     export_ct2(DEFAULT_TRANSLATOR, out / "ct2-translator")

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import train
-from model.checkpoint import DEFAULT_GENERATOR
-from model.data import SHARED_DATA, lm_windows, shakespeare_plays, shakespeare_split, speech_starts
-from model.evaluate import evaluate_generator_snapshots, ranks, spearman
-from model.train import cosine_minutes_schedule, generator_job, parse_args
+from loading.checkpoint import DEFAULT_GENERATOR
 from tests.made_up_plays import plays_text
+from training import train
+from training.data import SHARED_DATA, lm_windows, shakespeare_plays, shakespeare_split, speech_starts
+from training.evaluate import evaluate_generator_snapshots, ranks, spearman
+from training.train import cosine_minutes_schedule, generator_job, parse_args
 
 TRAIN_TXT = SHARED_DATA / "tinyshakespeare" / "train.txt"
 needs_data = pytest.mark.skipif(not TRAIN_TXT.exists(), reason="needs the shared Tiny Shakespeare data")

@@ -1,7 +1,7 @@
 """Hugging Face folders load exactly into our modules: a MarianMT (opus-mt's shape) and a GPT-NeoX
 (Pythia's) built in tests/hf_folders.py give transformers' logits, greedy outputs and tokenizer ids;
 exported again through the same tables they give the folder's tensors back; our shipped checkpoints
-exported with model.export come back with their own logits; folders that cannot be served raise a
+exported with exports.export come back with their own logits; folders that cannot be served raise a
 one-line CheckpointError naming the file."""
 
 import json
@@ -13,19 +13,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint, load_native_checkpoint
-from model.data import SHARED_DATA, read_lines
-from model.export import export_hf
-from model.folder import inspect_folder
+from exports.export import export_hf
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint, load_native_checkpoint
+from loading.folder import inspect_folder
+from loading.hf import load
+from loading.hf.registry import ADAPTERS
+from loading.hf_tokenizers import FastTextTokenizer, MarianTextTokenizer
+from loading.tokenizer import TextTokenizer, Tokenizer
 from model.generator import Generator
-from model.hf import load
-from model.hf.registry import ADAPTERS
-from model.hf_tokenizers import FastTextTokenizer, MarianTextTokenizer
 from model.packed_linear import PackedLinear, pack_linear_layers, packing_available
 from model.quantize import Int8Linear, quantize_int8
-from model.tokenizer import TextTokenizer, Tokenizer
 from model.translator import Translator
 from tests.hf_folders import build_gpt_neox_folder, build_marian_folder, one_line_error, shakespeare_lines
+from training.data import SHARED_DATA, read_lines
 
 ATOL = 1e-4
 NEW_TOKENS = 20

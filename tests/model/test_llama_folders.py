@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from model.chat_template import ChatTemplateError
+from loading.chat_template import ChatTemplateError
+from loading.hf.load import load_hf_folder
+from loading.hf_tokenizers import FastTextTokenizer
 from model.config import GeneratorConfig
 from model.generator import Generator
-from model.hf.load import load_hf_folder
-from model.hf_tokenizers import FastTextTokenizer
 from model.kv_cache import KVCache
 from model.packed_linear import pack_linear_layers, packing_available
 from model.quantize import quantize_int8

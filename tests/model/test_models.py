@@ -5,15 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.beam_search import beam_search
-from model.checkpoint import load_checkpoint, save_checkpoint
+from decoding.beam_search import beam_search
+from decoding.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from decoding.translate import greedy_translate
+from loading.checkpoint import load_checkpoint, save_checkpoint
+from loading.tokenizer import Tokenizer
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
 from model.kv_cache import KVCache
 from model.masks import padding_mask
-from model.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from model.tokenizer import Tokenizer
-from model.translate import greedy_translate
 from model.translator import Translator
 
 POSITIONS = ["sinusoidal", "rope", "alibi"]

@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
-from model.data import SHARED_DATA, pad, read_lines
+from decoding.reference_decoding import generate_greedy_uncached
+from decoding.translate import greedy_translate
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from loading.tokenizer import EOS_ID
 from model.generator import Generator
 from model.packed_linear import MAX_PACKED_ROWS, PackedLinear, pack_linear_layers, packing_available, padded_rows
 from model.positions import apply_rope, rope_tables
-from model.reference_decoding import generate_greedy_uncached
-from model.tokenizer import EOS_ID
-from model.translate import greedy_translate
 from model.translator import Translator
+from training.data import SHARED_DATA, pad, read_lines
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 

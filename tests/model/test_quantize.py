@@ -9,13 +9,13 @@ import torch
 from sacrebleu.metrics.bleu import BLEU
 from torch import nn
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
-from model.data import SHARED_DATA, read_lines, split_shakespeare
+from decoding.translate import translate_sentences
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
 from model.generator import Generator
-from model.lm_scoring import nats_per_char
 from model.quantize import EXACT_FLOAT_K, Int8Linear, int8_matmul
-from model.translate import translate_sentences
 from model.translator import Translator
+from training.data import SHARED_DATA, read_lines, split_shakespeare
+from training.lm_scoring import nats_per_char
 
 
 def test_int8_linear_is_close_to_the_float_layer() -> None:

@@ -1,8 +1,8 @@
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from model.sampling import adjust_logits, filter_logits, sample_next
-from model.sampling_params import SamplingParams
+from decoding.sampling import adjust_logits, filter_logits, sample_next
+from decoding.sampling_params import SamplingParams
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:

@@ -1,4 +1,4 @@
-from model.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from loading.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 PLAY = "KING HENRY:\nNow, lords,  for France!\n\nEXETER:\nMy liege.\n"
 

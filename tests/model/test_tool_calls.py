@@ -1,4 +1,4 @@
-"""model/tool_calls.py: the format a chat template asks for, the parser of calls in a reply
+"""loading/tool_calls.py: the format a chat template asks for, the parser of calls in a reply
 (whole, and streamed in pieces cut anywhere), and the grammar that forces a call: every reply it
 allows parses into calls of the given tools with arguments that match their parameters."""
 
@@ -8,7 +8,7 @@ import jsonschema
 import llguidance
 import pytest
 
-from model.tool_calls import FunctionTool, ParsedCall, ToolCallParser, forced_call_grammar, tool_call_format
+from loading.tool_calls import FunctionTool, ParsedCall, ToolCallParser, forced_call_grammar, tool_call_format
 
 WEATHER = FunctionTool(
     "get_weather",

@@ -12,11 +12,11 @@ import openai
 import pytest
 from httpx_sse import connect_sse
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
-from model.data import SHARED_DATA, read_lines
-from model.tokenizer import Tokenizer
-from model.translate import translate_sentences
+from decoding.translate import translate_sentences
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from loading.tokenizer import Tokenizer
 from tests.helpers import TEST_CONFIG, astream_data, leave_stream, replica_stats, stream_data
+from training.data import SHARED_DATA, read_lines
 
 GENERATOR = TEST_CONFIG.generator.name
 TEST_SOURCES = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")
@@ -90,7 +90,7 @@ def test_translate_matches_the_evaluation_cli(service_url: str, tmp_path: Path) 
         [
             sys.executable,
             "-m",
-            "model.evaluate",
+            "training.evaluate",
             "translate",
             "--src",
             str(source_file),

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from model.checkpoint import DEFAULT_GENERATOR, load_native_checkpoint
-from model.export import export_hf
+from exports.export import export_hf
+from loading.checkpoint import DEFAULT_GENERATOR, load_native_checkpoint
+from loading.tokenizer import Tokenizer
 from model.generator import Generator
-from model.tokenizer import Tokenizer
 from tests.helpers import ROOT
 
 TASK = "shakespeare_next_line"

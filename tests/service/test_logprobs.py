@@ -1,6 +1,6 @@
 """Logprobs through the real service equal the shipped generator's log-softmax computed offline:
 the prompt's (echo, from the prefill) and the generated tokens' (from the step's logits), and
-their sum is what `python -m model.evaluate lm` scores for the text."""
+their sum is what `python -m training.evaluate lm` scores for the text."""
 
 import json
 import subprocess
@@ -11,10 +11,10 @@ import httpx
 import torch
 import torch.nn.functional as F
 
-from model.checkpoint import load_native_checkpoint
-from model.data import SHARED_DATA, split_shakespeare
+from loading.checkpoint import load_native_checkpoint
 from model.paths import DEFAULT_GENERATOR
 from tests.helpers import TEST_CONFIG
+from training.data import SHARED_DATA, split_shakespeare
 
 GENERATOR = TEST_CONFIG.generator.name
 
@@ -55,7 +55,7 @@ def test_echo_logprobs_equal_the_offline_log_softmax_and_sum_to_model_evaluate_l
     assert all(max(top.values()) >= lp - TOLERANCE for top, lp in zip(logprobs["top_logprobs"][1:], served.tolist(), strict=True))
 
     (tmp_path / "text.txt").write_text(text, encoding="utf-8")
-    command = [sys.executable, "-m", "model.evaluate", "lm", "--text", str(tmp_path / "text.txt"), "--device", "cpu"]
+    command = [sys.executable, "-m", "training.evaluate", "lm", "--text", str(tmp_path / "text.txt"), "--device", "cpu"]
     printed = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True, timeout=300).stdout
     scores = json.loads(printed.splitlines()[-1])
     assert scores["tokens"] == len(ids) - 1

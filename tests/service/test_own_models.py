@@ -19,11 +19,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
+from decoding.translate import max_new_tokens_for
 from loadtests.cluster import free_port
-from model.data import SHARED_DATA, read_lines
 from model.paths import DEFAULT_TRANSLATOR
-from model.translate import max_new_tokens_for
 from tests.hf_folders import build_gpt_neox_folder, build_llama_folder, build_marian_folder
+from training.data import SHARED_DATA, read_lines
 
 START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
 SENTENCES = 100

@@ -9,9 +9,9 @@ import httpx
 import pytest
 import torch
 
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
+from loading.tokenizer import EOS_ID
 from model.attention_maps import cross_attention, self_attention
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
-from model.tokenizer import EOS_ID
 from tests.helpers import TEST_CONFIG
 
 SENTENCES = "A man in a red shirt is riding a bike. Two dogs are running behind him."

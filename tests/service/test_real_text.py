@@ -10,9 +10,9 @@ import pytest
 import sacrebleu
 from libretranslatepy import LibreTranslateAPI
 
-from model.data import SHARED_DATA, read_lines
 from service.api.sentences import split_sentences
 from tests.helpers import TEST_CONFIG, stream_data
+from training.data import SHARED_DATA, read_lines
 
 TEST_SOURCES = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")
 TEST_REFERENCES = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.de.gz")

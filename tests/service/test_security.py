@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from model.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service import __main__ as entry
 from service.config import LOCAL_RAY_ENVIRONMENT
 

@@ -22,8 +22,8 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoTokenizer
 
+from loading.hf_tokenizers import FastTextTokenizer
 from loadtests.cluster import free_port
-from model.hf_tokenizers import FastTextTokenizer
 from tests.hf_folders import build_llama_folder
 
 START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit

@@ -4,7 +4,7 @@ on request (CPU only: asked for on a GPU, the replica refuses to start with a cl
 import pytest
 import torch
 
-from model.checkpoint import DEFAULT_GENERATOR
+from loading.checkpoint import DEFAULT_GENERATOR
 from service.config import ModelServingConfig
 from service.deployments import resolve_device
 

@@ -1,0 +1,2 @@
+"""Decoding: sampling (greedy, temperature, min-p, top-k, top-p, penalties), beam search, the
+plain reference decoders, and batching helpers. Imports model/, never the service."""

@@ -1,0 +1,139 @@
+"""Beam search for the translator, batched across sentences, with cache reordering.
+
+`BeamState` is the per-sentence bookkeeping (live beams, finished hypotheses); the offline
+`beam_search` drives many of them over one preallocated cache, and the serving engine drives
+them the same way over its slots.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from decoding.sampling import suppress, suppressed_index
+from model.kv_cache import KVCache
+from model.masks import padding_mask
+from model.translator import Translator
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # generated ids, without the decoder's start token and eos
+    score: float  # sum of log-probabilities / length ** length_penalty
+
+
+class BeamState:
+    """Live beams of one sentence. A hypothesis ends with eos_id (the model's); the search finishes
+    when beam_size hypotheses have ended (early stopping) or max_new_tokens is reached."""
+
+    def __init__(self, beam_size: int, max_new_tokens: int, eos_id: int, length_penalty: float = 1.0) -> None:
+        self.beam_size = beam_size
+        self.eos_id = eos_id
+        self.max_new_tokens = max_new_tokens
+        self.length_penalty = length_penalty
+        self.scores = torch.full((beam_size,), float("-inf"))
+        self.scores[0] = 0.0  # all beams start identical: expand only the first
+        self.sequences: list[list[int]] = [[] for _ in range(beam_size)]
+        self.finished: list[Hypothesis] = []
+        self.done = False
+
+    def _normalised(self, score: float, length: int) -> float:
+        return score / (length**self.length_penalty)
+
+    def advance(self, top_scores: list[float], top_index: list[int], vocab_size: int) -> tuple[list[int], list[int]]:
+        """Takes the step given this sentence's 2K best candidates (scores, and indices into its
+        flattened (K, V) beam x token scores), best first. Returns (parents, tokens), K each."""
+        K = self.beam_size
+        parents, tokens, scores = [], [], []
+        for rank, (score, index) in enumerate(zip(top_scores, top_index, strict=True)):
+            parent, token = divmod(index, vocab_size)
+            if token == self.eos_id:
+                if rank < K:  # an ending only counts if it is among the K best candidates
+                    sequence = self.sequences[parent]
+                    self.finished.append(Hypothesis(sequence, self._normalised(score, len(sequence) + 1)))
+                continue
+            parents.append(parent)
+            tokens.append(token)
+            scores.append(score)
+            if len(parents) == K:
+                break
+        self.sequences = [self.sequences[p] + [t] for p, t in zip(parents, tokens, strict=True)]
+        self.scores = torch.tensor(scores)
+        if len(self.finished) >= K or len(self.sequences[0]) >= self.max_new_tokens:
+            self.done = True
+        return parents, tokens
+
+    def best(self, n: int) -> list[Hypothesis]:
+        """The n best hypotheses; unfinished beams count when fewer than n have ended."""
+        pool = list(self.finished)
+        if len(pool) < n:
+            pool += [
+                Hypothesis(s, self._normalised(float(sc), len(s) + 1)) for s, sc in zip(self.sequences, self.scores.tolist(), strict=True)
+            ]
+        return sorted(pool, key=lambda h: h.score, reverse=True)[:n]
+
+
+def step_beams(states: list[BeamState], log_probs: Tensor) -> list[tuple[list[int], list[int]]]:
+    """One step of several sentences' searches: log_probs (sum of their beam sizes, V), each
+    sentence's live beams in order. One top-k serves all the sentences of a beam size. Returns
+    each sentence's (parents, tokens), K each: live beam i continues beam parents[i] with
+    tokens[i]."""
+    V = log_probs.shape[-1]
+    log_probs = log_probs.float().cpu()
+    starts = [0]
+    for state in states:
+        starts.append(starts[-1] + state.beam_size)
+    moves: list[tuple[list[int], list[int]]] = [([], [])] * len(states)
+    for K in sorted({state.beam_size for state in states}):
+        group = [i for i, state in enumerate(states) if state.beam_size == K]
+        rows = log_probs  # (G * K, V): every sentence has this beam size, the usual case
+        if len(group) < len(states):
+            rows = log_probs.index_select(0, torch.tensor([starts[i] + k for i in group for k in range(K)]))
+        scores = torch.stack([states[i].scores for i in group])  # (G, K)
+        candidates = (scores[:, :, None] + rows.view(len(group), K, V)).view(len(group), K * V)
+        top_scores, top_index = candidates.topk(2 * K, dim=-1)  # (G, 2K) each
+        for i, best_scores, best_index in zip(group, top_scores.tolist(), top_index.tolist(), strict=True):
+            moves[i] = states[i].advance(best_scores, best_index, V)
+    return moves
+
+
+@torch.no_grad()
+def beam_search(
+    model: Translator, src: Tensor, beam_size: int, max_new_tokens: int | list[int], length_penalty: float = 1.0, n_best: int = 1
+) -> list[list[Hypothesis]]:
+    """Translates src (B, S), right-padded with the model's pad_id; returns the n_best hypotheses of
+    each sentence. max_new_tokens: one limit for all, or one per sentence. The config's
+    suppressed_ids are never generated."""
+    B, K = src.shape[0], beam_size
+    c = model.config
+    limits = [min(m, c.max_len - 1) for m in (max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B)]
+    max_new_tokens = max(limits)
+    memory = model.encode(src).repeat_interleave(K, dim=0)  # (B*K, S, d)
+    memory_kv = model.cross_key_values(memory)
+    src_mask = padding_mask(src, c.pad_id).repeat_interleave(K, dim=0)  # (B*K, 1, 1, S)
+    n_layers = len(model.decoder_layers)
+    cache = KVCache(n_layers, B * K, c.n_heads, max_new_tokens + 1, c.head_dim, src.device, memory.dtype)
+    states = [BeamState(K, limit, c.eos_id, length_penalty) for limit in limits]
+    suppressed = suppressed_index(c.suppressed_ids, src.device)
+    tokens = torch.full((B * K,), c.start_id, dtype=torch.long, device=src.device)
+    for t in range(max_new_tokens):
+        active = [i for i, s in enumerate(states) if not s.done]
+        if not active:
+            break
+        rows = torch.cat([torch.arange(i * K, (i + 1) * K) for i in active]).to(src.device)  # (A*K,)
+        positions = torch.full((len(rows), 1), t, device=src.device)
+        logits = model.decode(
+            tokens[rows][:, None],
+            [(k[rows], v[rows]) for k, v in memory_kv],
+            src_mask[rows],
+            positions=positions,
+            caches=list(cache.views(rows, positions, t + 1)),
+            cache_length=t + 1,
+        )  # (A*K, 1, V)
+        log_probs = F.log_softmax(suppress(logits[:, -1].float(), suppressed), dim=-1).view(len(active), K, -1)
+        moves = step_beams([states[i] for i in active], log_probs.view(len(active) * K, -1))
+        src_rows = [p + i * K for i, (parents, _) in zip(active, moves, strict=True) for p in parents]
+        cache.copy_slots(torch.tensor(src_rows, device=src.device), rows)
+        tokens[rows] = torch.tensor([t for _, step_tokens in moves for t in step_tokens], device=src.device)
+    return [s.best(n_best) for s in states]

@@ -1,0 +1,106 @@
+"""Choosing the next token: greedy, or sampling with temperature, min-p, top-k and top-p (nucleus), after
+the penalties on tokens already seen (presence, frequency and repetition, as vLLM applies them)
+and OpenAI's logit bias.
+
+Each request carries its own torch.Generator, so a seeded request draws the same tokens
+whatever else shares its batch.
+"""
+
+import torch
+from torch import Tensor
+
+from decoding.sampling_params import SamplingParams
+
+
+def filter_logits(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """Rows of logits (S, V), already divided by their temperature, with at -inf the tokens below
+    each row's min-p (their probability under min_p x the most likely one's, as vLLM's), outside
+    its top-k (0: all), then outside its top-p nucleus of what is left; the most likely token
+    always stays. Batched: one sort for every row, and none when no row filters."""
+    V = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)  # (S,)
+    if bool((k == V).all()) and bool((top_p >= 1.0).all()) and bool((min_p <= 0.0).all()):
+        return logits
+    ordered, order = logits.sort(dim=-1, descending=True)  # (S, V)
+    outside = torch.arange(V, device=logits.device)[None] >= k[:, None]  # (S, V): past the row's top-k
+    full = ordered.softmax(-1)  # (S, V): the whole distribution, most likely first
+    outside |= full < min_p[:, None] * full[:, :1]
+    ordered = ordered.masked_fill(outside, float("-inf"))
+    probs = ordered.softmax(-1)
+    nucleus = top_p[:, None] < 1.0  # rows that filter by mass (at 1.0 rounding must not drop the tail)
+    outside |= nucleus & (probs.cumsum(-1) - probs >= top_p[:, None])  # until the mass before a token reaches top_p
+    return logits.masked_fill(outside.scatter(1, order, outside), float("-inf"))
+
+
+def _row_index(sequences: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """(rows, ids): row i repeated for each id of sequences[i], as index_put_ takes them."""
+    rows = torch.tensor([i for i, s in enumerate(sequences) for _ in s], dtype=torch.long, device=device)
+    return rows, torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+
+
+def adjust_logits(logits: Tensor, params: list[SamplingParams], prompts: list[list[int]], outputs: list[list[int]]) -> Tensor:
+    """Rows of next-token logits (S, V) with each row's penalties, then its logit bias, as a new
+    float tensor; every row at once (one scatter per kind of adjustment): repetition on the
+    prompt's and output's tokens, presence and frequency on the output's, the bias added last."""
+    logits = logits.float()
+    S, V = logits.shape
+    device = logits.device
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]  # (S, 1)
+    if bool((repetition != 1.0).any()):
+        seen = torch.zeros(S, V, dtype=torch.bool, device=device)
+        repeated = [
+            prompt + output if p.repetition_penalty != 1.0 else [] for p, prompt, output in zip(params, prompts, outputs, strict=True)
+        ]
+        seen.index_put_(_row_index(repeated, device), torch.tensor(True, device=device))
+        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]  # (S, 1)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    if any(outputs) and bool(((presence != 0) | (frequency != 0)).any()):
+        counts = torch.zeros(S, V, device=device)  # (S, V): each token's count in the row's output
+        counts.index_put_(_row_index(outputs, device), torch.tensor(1.0, device=device), accumulate=True)
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+    biased = [[token for token, _ in p.logit_bias] for p in params]
+    if any(biased):
+        biases = torch.tensor([bias for p in params for _, bias in p.logit_bias], device=device)
+        logits = logits.index_put(_row_index(biased, device), biases, accumulate=True)
+    return logits
+
+
+def suppressed_index(ids: tuple[int, ...], device: torch.device) -> Tensor | None:
+    """The never-generated ids (a config's suppressed_ids) as the index `suppress` takes; None when empty."""
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+
+def suppress(logits: Tensor, index: Tensor | None) -> Tensor:
+    """logits (..., V) with the ids of index set to -inf, in place (one index_fill_ on the vocab
+    dim); unchanged when index is None. Returns logits."""
+    return logits if index is None else logits.index_fill_(-1, index, float("-inf"))
+
+
+def sample_next(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
+    """One next token per row. logits: (B, V) -> (B,) token ids, on the logits' device.
+
+    Greedy rows by one argmax; the sampled rows together: temperature, min-p, top-k and top-p as batched
+    tensor operations, then one uniform draw per row from its own generator (a seeded row draws
+    the same whatever shares its batch), inverted through the row's cumulative probabilities.
+    NaN or infinite logits (a poisoned row) fall back to the row's argmax of the finite values.
+    """
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    tokens = logits.argmax(-1)  # (B,)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    temperature = torch.tensor([params[i].temperature for i in rows], device=device)
+    top_k = torch.tensor([params[i].top_k for i in rows], device=device)
+    top_p = torch.tensor([params[i].top_p for i in rows], device=device)
+    min_p = torch.tensor([params[i].min_p for i in rows], device=device)
+    probs = filter_logits(logits.index_select(0, index) / temperature[:, None], top_k, top_p, min_p).softmax(-1)  # (S, V)
+    # Draws on the CPU generators, so the same seed gives the same token on every device.
+    uniform = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(device)  # (S,)
+    cumulative = probs.cumsum(-1)  # (S, V)
+    drawn = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    drawn = torch.where(probs.gather(1, drawn[:, None])[:, 0] > 0, drawn, probs.argmax(-1))  # never a token of probability 0
+    finite = torch.isfinite(probs).all(-1)  # (S,)
+    return tokens.index_put((index,), torch.where(finite, drawn, tokens.index_select(0, index)))
