@@ -17,7 +17,6 @@ the commit measured.
 import argparse
 import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -29,10 +28,9 @@ from typing import Any
 
 import httpx
 
-from benchmarks.serving import READY_TIMEOUT_S, commit, wait_ready
-from loadtests.cluster import free_port
+from benchmarks.serving import commit, local_app
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
-from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
+from service.config import ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig
 
 COMPLETION = {"prompt": "ROMEO:\n", "max_tokens": 8}
@@ -120,25 +118,11 @@ def main() -> None:
     if shutil.which("ab") is None:
         raise SystemExit("front_door: needs Apache's `ab` (Debian: apt-get install apache2-utils)")
     requests, out = (QUICK_REQUESTS, args.out or QUICK_RESULTS) if args.quick else (args.requests, args.out or RESULTS)
-    os.environ.update({**RAY_ENVIRONMENT, **LOCAL_RAY_ENVIRONMENT})  # before Ray is imported: everything on 127.0.0.1
-    import ray
-    from ray import serve
+    config, app, measured = refusing_config(), "front-door", commit()
+    with local_app(config, app, cpus=2) as url:
+        from ray import serve  # imported by local_app, after the environment it needs
 
-    from service.app import build_app
-
-    config, app, port, measured = refusing_config(), "front-door", free_port(), commit()
-    # address="local": a Ray of its own, never one already running on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=40)  # errors only
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        target = serve.RunTarget(build_app(config), name=app, route_prefix="/")
-        serve.run_many([target], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, app, READY_TIMEOUT_S)
         results = measure(url, serve.get_deployment_handle(config.generator.name, app_name=app), requests)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     results = {"commit": measured, **results}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -43,7 +43,8 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -107,6 +108,32 @@ def ray_cpus(config: ServiceConfig) -> int:
         replicas = (options.get("autoscaling_config") or {}).get("max_replicas", options.get("num_replicas", 1))
         asked += replicas * options.get("ray_actor_options", {}).get("num_cpus", 1)
     return max(2, math.ceil(asked))
+
+
+@contextmanager
+def local_app(config: ServiceConfig, app: str, cpus: int) -> Iterator[str]:
+    """The service's app on a Ray of its own (address="local": never one already running on this
+    machine; everything on 127.0.0.1) with `cpus` logical CPUs, on a free port: its URL once every
+    model is ready (wait_ready's deadline says what is stuck, where Serve's own wait has no bound).
+    Serve and Ray are shut down on the way out."""
+    os.environ.update({**RAY_ENVIRONMENT, **LOCAL_RAY_ENVIRONMENT})  # before Ray is imported
+    import ray
+    from ray import serve
+
+    from service.app import build_app
+
+    port = free_port()
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=40)  # errors only
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        target = serve.RunTarget(build_app(config), name=app, route_prefix="/")
+        serve.run_many([target], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, app, READY_TIMEOUT_S)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def wait_ready(url: str, app: str, timeout_s: float) -> None:
@@ -281,25 +308,12 @@ def main() -> None:
     args = parser.parse_args()
     tokens, (requests_per_client, repeats) = args.tokens, (1, 1) if args.quick else (args.requests_per_client, args.repeats)
     out: Path = args.out or (QUICK_RESULTS if args.quick else RESULTS)
-    os.environ.update({**RAY_ENVIRONMENT, **LOCAL_RAY_ENVIRONMENT})  # before Ray is imported: everything on 127.0.0.1
-    import ray
-    from ray import serve
-
-    from service.app import build_app
     from service.deployments import resolve_device
 
-    config, app, port = served_config(args.stream_interval_ms), "serving-benchmark", free_port()
+    config, app = served_config(args.stream_interval_ms), "serving-benchmark"
     cpus, measured = ray_cpus(config), commit()
     started = time.perf_counter()
-    # address="local": a Ray of its own, never one already running on this machine.
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=40)  # errors only
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # Not waiting in Serve (that wait has no bound): wait_ready's deadline says what is stuck.
-        target = serve.RunTarget(build_app(config), name=app, route_prefix="/")
-        serve.run_many([target], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, app, READY_TIMEOUT_S)
+    with local_app(config, app, cpus) as url:
         torch.set_num_threads(TORCH_THREADS)
         generator = config.generator
         engine = AsyncEngine(Engine.from_checkpoint(generator.checkpoint, generator.engine, *resolve_device(generator)))
@@ -307,9 +321,6 @@ def main() -> None:
             runs = asyncio.run(measure(engine, url, generator.name, tokens, requests_per_client, repeats))
         finally:
             engine.stop()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     results: dict[str, Any] = {
         "commit": measured,
         "ray_cpus": cpus,

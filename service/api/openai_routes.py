@@ -41,7 +41,7 @@ from service.api.schemas import (
     error_responses,
     event_stream,
 )
-from service.api.streams import merged, sse, sse_error
+from service.api.streams import DONE, merged, sse, sse_error
 from service.config import ServiceConfig
 from service.engine.config import FinishReason, StructuredOutput
 from service.protocol import ChatMessage, Chunk, GenerateRequest, TokenizeRequest, Tool, ToolCall
@@ -233,7 +233,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
     frames = CompletionFrames(body.echo, body.logprobs is not None)
     if body.stream:
-        events = stream_choices(streams, base, frames, body.n, *stream_flags(body))
+        events = stream_choices(CompletionChunk, streams, base, frames, body.n, *stream_flags(body))
         return StreamingResponse(events, media_type="text/event-stream")
     finals = await final_chunks(streams, config.retry_after_seconds)
     return {**base, "choices": [frames(i, c, True)[0] for i, c in enumerate(finals)], "usage": usage(finals, body.n)}
@@ -264,7 +264,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     calls_end = fields.get("tool_name") is None  # a named function's call ends with "stop", as OpenAI's
     if body.stream:
         chunk_base = {**base, "object": "chat.completion.chunk"}
-        frames = stream_choices(streams, chunk_base, ChatFrames(body.logprobs, calls_end), body.n, *stream_flags(body))
+        chat_frames = ChatFrames(body.logprobs, calls_end)
+        frames = stream_choices(ChatCompletionChunk, streams, chunk_base, chat_frames, body.n, *stream_flags(body))
         return StreamingResponse(frames, media_type="text/event-stream")
     finals = await final_chunks(streams, config.retry_after_seconds)
     return {
@@ -393,6 +394,7 @@ class ChatFrames:
 
 
 async def stream_choices(
+    event: type[CompletionChunk] | type[ChatCompletionChunk],
     streams: list[AsyncGenerator[Chunk, None]],
     base: dict[str, Any],
     frame: Callable[[int, Chunk, bool], list[dict[str, Any]]],
@@ -400,7 +402,8 @@ async def stream_choices(
     include_usage: bool,
     continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
-    """OpenAI's stream of n choices: an event per choice frame (`frame`); with include_usage a last
+    """OpenAI's stream of n choices, each event an `event` (the route's documented chunk): an event
+    per choice frame (`frame`); with include_usage a last
     event of the usage alone; with continuous_usage_stats (vLLM's extension) the usage so far on
     every event. A failure after the 200 (the engine's, or a lost replica's: a 503 that may be
     retried) is one error event, then [DONE]."""
@@ -413,13 +416,13 @@ async def stream_choices(
             latest[index] = chunk
             so_far = {"usage": usage(latest, n)} if continuous_usage else {}
             for choice in frame(index, chunk, first):
-                yield sse({**base, "choices": [choice], **so_far})
+                yield sse(event, {**base, "choices": [choice], **so_far})
         else:
             if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(latest, n)})
+                yield sse(event, {**base, "choices": [], "usage": usage(latest, n)})
     except APIError as error:
         yield sse_error(error.message, error.status)
-    yield sse("[DONE]")
+    yield DONE
 
 
 @router.post("/tokenize", tags=["vllm"], response_model=TokenizeResponse, response_model_exclude_none=True, responses=MODEL_ERRORS)

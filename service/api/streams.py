@@ -2,23 +2,27 @@
 streams of a request's n choices."""
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from service.api.schemas import OpenAIError, ResponseModel
 from service.protocol import Chunk
 
 
-def sse(data: dict[str, Any] | str) -> str:
-    """One server-sent event: `data: <json or text>` and a blank line."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+def sse(event: type[ResponseModel], data: dict[str, Any]) -> str:
+    """One server-sent event, `data: <json>` and a blank line: data read as the event model the
+    route's schema documents (a frame that does not conform raises), written with what was set."""
+    return f"data: {event.model_validate(data).model_dump_json(exclude_unset=True)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"  # the last event of every stream
 
 
 def sse_error(message: str, status: int) -> str:
     """An error event in OpenAI's envelope, sent when a stream fails after its 200: a 503 (its
     replica was lost, or a deadline passed) is a "server_error" that may be retried."""
     kind = {429: "rate_limit_error", 503: "server_error"}.get(status, "internal_error")
-    return sse({"error": {"message": message, "type": kind, "param": None, "code": status}})
+    return sse(OpenAIError, {"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
 async def merged(streams: list[AsyncGenerator[Chunk, None]]) -> AsyncGenerator[tuple[int, Chunk], None]:

@@ -16,7 +16,7 @@ from service.api.errors import APIError
 from service.api.routing import translator_for
 from service.api.schemas import MODEL_ERRORS, TranslateChunk, TranslateRequest, TranslateResponse, event_stream
 from service.api.sentences import Span
-from service.api.streams import sse, sse_error
+from service.api.streams import DONE, sse, sse_error
 from service.api.translation import (
     TextTranslation,
     check_size,
@@ -161,7 +161,7 @@ async def stream_sentences(
                         frame = {"text": piece + text[position:], "finish_reason": reason}
                         frame["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
                 if frame["text"] or frame["finish_reason"] is not None:
-                    yield sse(frame)
+                    yield sse(TranslateChunk, frame)
             await stream.aclose()
             if next_to_open < len(spans):
                 upcoming = spans[next_to_open]
@@ -172,4 +172,4 @@ async def stream_sentences(
     finally:
         for stream in streams:
             await stream.aclose()
-    yield sse("[DONE]")
+    yield DONE
