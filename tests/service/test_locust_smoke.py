@@ -2,6 +2,7 @@
 real service, in a subprocess (Locust's gevent patching must stay out of pytest's process)."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,19 @@ def test_locust_smoke_run_passes_with_both_user_types(service_url: str, tmp_path
     count = {key: int(row["Request Count"]) for key, row in stats.items()}
     assert sum(count.get(key, 0) for key in TRANSLATION_ROWS) > 0, count
     assert all(count.get(key, 0) > 0 for key in STREAM_ROWS), count
+
+
+@pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust is not installed")
+def test_the_sweep_command_runs_in_its_quickest_form(service_url: str, metrics_url: str, tmp_path: Path) -> None:
+    """`python -m loadtests.sweep` as the README lists it: one short step, its JSON and page written."""
+    cmd = [
+        sys.executable, "-m", "loadtests.sweep", "--host", service_url, "--metrics-url", metrics_url, "--users", "2",
+        "--step-seconds", "8", "--settle-seconds", "1", "--out", str(tmp_path / "sweep"), "--results", str(tmp_path / "results"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["steps"]
+    assert [s["users"] for s in steps] == [2] and steps[0]["requests_per_s"] > 0 and steps[0]["failures"] == 0, steps
 
 
 def step(users: int, ttft_p99: float, batch: float) -> dict[str, object]:
