@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.provenance import commit
 from decoding.reference_decoding import generate_greedy_uncached
 from decoding.sampling_params import GREEDY
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
@@ -217,7 +218,12 @@ def main() -> None:
     new_tokens = 64 if args.quick else 256
     prompt = tokenizer.encode("\n")[:1]
     new_tokens = min(new_tokens, model.config.max_len - len(prompt))
-    results: dict[str, object] = {"device": "cpu", "torch_threads": torch.get_num_threads(), "kv_cache_new_tokens": new_tokens}
+    results: dict[str, object] = {
+        "commit": commit(),
+        "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "kv_cache_new_tokens": new_tokens,
+    }
     results.update(kv_cache_speedup(model, prompt, new_tokens))
     cores = os.cpu_count() or 1
     if cores != args.threads:  # the same ratio with every core on one request, where recomputation gains most

@@ -28,7 +28,8 @@ from typing import Any
 
 import httpx
 
-from benchmarks.serving import commit, local_app
+from benchmarks.provenance import commit
+from benchmarks.serving import local_app
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.config import ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig

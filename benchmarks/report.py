@@ -213,7 +213,12 @@ def engine() -> str:
     return table(
         ["measure", "what", "1 thread", "2 threads", "target"],
         [[f"`{key}`", what, f"**{num(one[key], digits)}**", num(two_threads[key], digits), target] for key, what, target, digits in rows],
-    )
+    ) + measured_at(one)
+
+
+def measured_at(data: dict[str, Any]) -> str:
+    """The line under a table of one run's figures: the commit they were measured at."""
+    return f"\n\nMeasured at commit `{data['commit']}`." if "commit" in data else ""
 
 
 def engine_concurrency() -> str:
@@ -243,7 +248,7 @@ def peers() -> str:
         rows.append([label, *cells, *(num(r, 2) for r in ratios)])
     header = ["work (1 thread)", "ours", "ours int8", "transformers", "CT2 float32", "CT2 int8"]
     header += ["ours / transformers", "ours / CT2 float32", "ours int8 / CT2 int8"]
-    return table(header, rows)
+    return table(header, rows) + measured_at(data)
 
 
 def peers_targets() -> str:

@@ -40,7 +40,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -54,6 +53,7 @@ import httpx
 import torch
 from httpx_sse import aconnect_sse
 
+from benchmarks.provenance import commit
 from decoding.sampling_params import GREEDY
 from loadtests.cluster import free_port
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
@@ -152,12 +152,6 @@ def wait_ready(url: str, app: str, timeout_s: float) -> None:
     deployments = serve.status().applications[app].deployments
     statuses = "; ".join(f"{name}: {d.status.value} {d.message}".strip() for name, d in deployments.items())
     raise TimeoutError(f"the service was not ready within {timeout_s:.0f} s: {statuses}")
-
-
-def commit() -> str:
-    """The checked-out commit, `-dirty` when the work tree differs from it ("unknown" outside a git checkout)."""
-    described = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT)
-    return described.stdout.strip() or "unknown"
 
 
 def check_finish(finish_reason: str | None, tokens: int, max_tokens: int) -> None:

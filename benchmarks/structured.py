@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.provenance import commit
 from decoding.sampling_params import SamplingParams
 from loading.checkpoint import DEFAULT_GENERATOR
 from service.engine.config import EngineConfig, StructuredOutput
@@ -119,7 +120,12 @@ def main() -> None:
     model = large_vocabulary_folder(args.vocab) if args.vocab else args.model
     engine = Engine.from_checkpoint(model, EngineConfig(prefix_caching=False))
     rounds = 1 if args.quick else 5
-    results: dict[str, object] = {"model": str(model), "vocab_size": engine.runner.tokenizer.vocab_size, "rounds": rounds}
+    results: dict[str, object] = {
+        "commit": commit(),
+        "model": str(model),
+        "vocab_size": engine.runner.tokenizer.vocab_size,
+        "rounds": rounds,
+    }
     for batch in (1, 4) if args.quick else (1, 16):
         results[f"batch_{batch}"] = compare(engine, batch, rounds)
     (out / "structured.json").write_text(json.dumps(results, indent=2) + "\n")
