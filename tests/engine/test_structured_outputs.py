@@ -1,6 +1,6 @@
 """Structured outputs in the engine (service/engine/grammar.py) on the shipped generator: outputs
 follow their JSON schema, choices, regular expression or grammar whether greedy or sampled, many
-at once, to a clean end; a constrained greedy output is the argmax over what the grammar allows at
+at once, to a clean end (or a stop string's); a constrained greedy output is the argmax over what the grammar allows at
 every step, computed the plain way; the step's masks are llguidance's own; bad grammars are 400s."""
 
 import json
@@ -86,6 +86,14 @@ def test_choices_regexes_and_grammars_are_followed(engine: Engine) -> None:
 def test_a_length_cut_ends_the_output_cleanly_as_length(engine: Engine) -> None:
     ((text, reason),) = generate(engine, [StructuredOutput("json", json.dumps(PERSON))], max_tokens=3)
     assert reason == "length" and text.startswith('{"')
+
+
+def test_a_stop_string_ends_a_structured_output_where_it_appears(engine: Engine) -> None:
+    prompt = engine.runner.encode_prompt("ROMEO:\n")
+    output = StructuredOutput("choice", json.dumps(["O Romeo, wherefore art thou"]))
+    request = Request("stopped", prompt, GenerationParams(max_tokens=40, stop=(", wherefore",), structured=output))
+    deltas = deltas_of(engine, {0: [request]})["stopped"]
+    assert "".join(d.text for d in deltas) == "O Romeo" and deltas[-1].finish_reason == "stop"
 
 
 def test_constrained_greedy_is_the_argmax_over_what_the_grammar_allows(engine: Engine) -> None:
