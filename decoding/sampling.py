@@ -23,8 +23,9 @@ def filter_logits(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -
         return logits
     ordered, order = logits.sort(dim=-1, descending=True)  # (S, V)
     outside = torch.arange(V, device=logits.device)[None] >= k[:, None]  # (S, V): past the row's top-k
-    full = ordered.softmax(-1)  # (S, V): the whole distribution, most likely first
-    outside |= full < min_p[:, None] * full[:, :1]
+    if bool((min_p > 0.0).any()):  # a softmax more, only for a batch that asks for min-p
+        full = ordered.softmax(-1)  # (S, V): the whole distribution, most likely first
+        outside |= full < min_p[:, None] * full[:, :1]
     ordered = ordered.masked_fill(outside, float("-inf"))
     probs = ordered.softmax(-1)
     nucleus = top_p[:, None] < 1.0  # rows that filter by mass (at 1.0 rounding must not drop the tail)
