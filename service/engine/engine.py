@@ -141,7 +141,7 @@ class Engine:
                 raise InvalidRequestError("a structured output is generated token by token: it cannot take beam search", "beam_size")
             if params.min_tokens:
                 raise InvalidRequestError("min_tokens cannot hold back the end of a structured output", "min_tokens")
-            self.grammars.matcher(params.structured)  # compiled now (and kept): a grammar that fails is the request's 400
+            self.grammars.compiled(params.structured)  # compiled now (and kept): a grammar that fails is the request's 400
         return replace(params, max_tokens=max_tokens)
 
     def add_request(self, request: Request) -> None:
@@ -181,7 +181,8 @@ class Engine:
         output = RunnerOutput()
         if not plan.is_empty:
             try:
-                plan.grammar = self.grammars.masks(plan.prefill + plan.decode)  # computed while the model runs
+                if self.grammars.in_use:  # the masks are computed while the model runs
+                    plan.grammar = self.grammars.masks(plan.prefill + plan.decode)
                 output = self.runner.execute(plan)
             except Exception as error:
                 log.exception("step failed; failing its %d requests", plan.batch_size)

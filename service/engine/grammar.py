@@ -79,13 +79,20 @@ class GrammarCompiler:
         self._vocabulary: llguidance.LLTokenizer | None = None  # built at the first structured request
         self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-        self._executor = llguidance.LLExecutor()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        self._executor: llguidance.LLExecutor | None = None  # with the vocabulary: an engine that never sees a grammar starts no thread
+        self._worker: ThreadPoolExecutor | None = None
+
+    @property
+    def in_use(self) -> bool:
+        """Whether any grammar was compiled (else no request can have a matcher)."""
+        return bool(self._compiled)
 
     def _compile(self, output: StructuredOutput) -> llguidance.LLMatcher:
         if self._vocabulary is None:
             wrapper = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._eos_ids[0]))
             self._vocabulary = llguidance.LLTokenizer(wrapper, n_vocab=self._tokenizer.vocab_size, eos_token=self._eos_ids)
+            self._executor = llguidance.LLExecutor()
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         try:
             grammar = grammar_of(output)
         except ValueError as error:
@@ -101,6 +108,11 @@ class GrammarCompiler:
     def matcher(self, output: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher of the structured output, at its start; InvalidRequestError (naming
         output.param) when its grammar does not compile."""
+        return self.compiled(output).deep_copy()
+
+    def compiled(self, output: StructuredOutput) -> llguidance.LLMatcher:
+        """The structured output's compiled matcher (compiled now when new, then kept): not to be
+        advanced, only copied; InvalidRequestError (naming output.param) when it does not compile."""
         with self._lock:
             compiled = self._compiled.get(output)
             if compiled is None:
@@ -109,7 +121,7 @@ class GrammarCompiler:
                 while len(self._compiled) > CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(output)
-            return compiled.deep_copy()
+            return compiled
 
     def masks(self, requests: list[Request]) -> "GrammarMasks | None":
         """The next-token masks of the requests that have a matcher, started on the worker thread;
@@ -117,6 +129,7 @@ class GrammarCompiler:
         constrained = [r for r in requests if r.grammar is not None]
         if not constrained:
             return None
+        assert self._executor is not None and self._worker is not None, "a matcher comes from a compiled grammar"
         width = (self._tokenizer.vocab_size + 31) // 32  # int32 words of one row
         bitmask = torch.empty(len(constrained), width, dtype=torch.int32)  # (K, W): a bit per token id
         matchers = [(r.grammar, row) for row, r in enumerate(constrained) if r.grammar is not None]
