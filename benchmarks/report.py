@@ -476,7 +476,8 @@ def vs_vllm() -> str:
             ]
         )
     header = ["work", "output tok/s, vLLM / ours", "ours / vLLM", "TTFT p50 ms, vLLM / ours", "ours / vLLM", "TTFT p99 ms", "failed"]
-    run = f"commit `{data['commit']}`, {data['vllm']}, {data['model']}, {data['machine']}, {num(data['seconds'])} s in all"
+    ours = f"ours: `{data['ours']}`, " if "ours" in data else ""
+    run = f"commit `{data['commit']}`, {data['vllm']}, {ours}{data['model']}, {data['machine']}, {num(data['seconds'])} s in all"
     return table(header, rows) + f"\n\nMeasured by `python -m benchmarks.vs_vllm --json` ({run})."
 
 

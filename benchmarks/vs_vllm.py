@@ -2,6 +2,7 @@
 by vLLM's own client (`vllm bench serve`), on a random-weight folder of SmolLM2-135M's shape.
 
     python -m benchmarks.vs_vllm [FOLDER] [--json [FILE]] [--systems ours,vllm] [--scenarios NAME,...]
+                                 [--compiled-decode B[,B...]]
 
 Installs vLLM's CPU build into .vllm-venv/ when it is missing (ensure_vllm: the facts of issue
 32). Without FOLDER, builds the model folder once into runs/vs_vllm/ (LlamaConfig of SmolLM2-135M:
@@ -9,8 +10,9 @@ Installs vLLM's CPU build into .vllm-venv/ when it is missing (ensure_vllm: the 
 chat template). Each system then serves the folder in turn on 127.0.0.1 with the same core split:
 vLLM (`vllm serve FOLDER --dtype float32`) binds its engine to one core and keeps the other for its
 API server (VLLM_CPU_OMP_THREADS_BIND=auto, one reserved CPU); ours (`python -m service --model
-smol=FOLDER --device cpu --torch-threads 1`, everything else at its defaults) runs one torch
-thread in its one replica. On each, the
+smol=FOLDER --device cpu --torch-threads 1`, everything else at its defaults, or with
+--compiled-decode passed on: its decode steps compiled at those batch sizes where that measures
+faster) runs one torch thread in its one replica. On each, the
 scenarios (SCENARIOS) run in order: `vllm bench serve` on random 128-token prompts with 128 tokens
 out at 1, 8 and 16 concurrent requests, 16 completions sharing two 512-token prefixes (vLLM's
 prefix_repetition dataset: +32 own tokens, 32 out, 4 at a time), one 3,000-token prompt; then the
@@ -45,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from benchmarks.provenance import commit
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "runs" / "vs_vllm"
@@ -213,24 +217,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(system: str, folder: Path, port: int, vllm: Path) -> tuple[list[str], dict[str, str], str]:
-    """The command that serves folder as MODEL on 127.0.0.1:port, its environment, and the path
-    that answers 200 once it is ready."""
+def server_command(system: str, folder: Path, port: int, vllm: Path, our_options: list[str]) -> tuple[list[str], dict[str, str], str]:
+    """The command that serves folder as MODEL on 127.0.0.1:port (ours with our_options added), its
+    environment, and the path that answers 200 once it is ready."""
     if system == "vllm":
         command = [str(vllm), "serve", str(folder), "--dtype", "float32", "--served-model-name", MODEL]
         command += ["--host", "127.0.0.1", "--port", str(port)]
         return command, {**os.environ, **VLLM_ENVIRONMENT}, "/health"
     command = [sys.executable, "-m", "service", "--model", f"{MODEL}={folder}", "--device", "cpu"]
-    command += ["--torch-threads", str(OUR_TORCH_THREADS), "--port", str(port), "--metrics-port", str(free_port())]
+    command += ["--torch-threads", str(OUR_TORCH_THREADS), "--port", str(port), "--metrics-port", str(free_port()), *our_options]
     return command, dict(os.environ), "/readyz"
 
 
 @contextlib.contextmanager
-def serving(system: str, folder: Path, vllm: Path, log: Path) -> Iterator[str]:
+def serving(system: str, folder: Path, vllm: Path, log: Path, our_options: list[str]) -> Iterator[str]:
     """The system serving folder for the with-block: its base URL. The server runs in a process
     group of its own, stopped (SIGINT, then SIGKILL after STOP_TIMEOUT_S) however the block ends."""
     port = free_port()
-    command, environment, ready_path = server_command(system, folder, port, vllm)
+    command, environment, ready_path = server_command(system, folder, port, vllm, our_options)
     url = f"http://127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as output:
@@ -430,19 +434,14 @@ def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
             print(f"{'':14s} ours/vLLM: {shown}")
 
 
-def commit() -> str:
-    """The checked-out commit, `-dirty` when the work tree differs from it."""
-    return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
-
-
-def run(folder: Path, systems: list[str], scenarios: list[str]) -> dict[str, dict[str, Any]]:
+def run(folder: Path, systems: list[str], scenarios: list[str], our_options: list[str]) -> dict[str, dict[str, Any]]:
     """Every scenario on every system, one system serving at a time: {scenario: {label, figures:
-    {system: figures}, ratios}}."""
+    {system: figures}, ratios}}. our_options: added to our service's command line."""
     vllm = ensure_vllm(VENV)
     prompt = long_text(folder, STALL_PROMPT_TOKENS) if "stall" in scenarios else ""
     results: dict[str, dict[str, Any]] = {name: {"label": SCENARIOS[name].label, "figures": {}} for name in scenarios}
     for system in systems:
-        with serving(system, folder, vllm, WORK / "logs" / f"{system}.log") as url:
+        with serving(system, folder, vllm, WORK / "logs" / f"{system}.log", our_options) as url:
             for name in scenarios:
                 started = time.monotonic()
                 if name == "stall":
@@ -466,7 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", nargs="?", type=Path, const=RESULTS, metavar="FILE", help=f"write the figures to FILE ({RESULTS})")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
+    parser.add_argument("--compiled-decode", metavar="B[,B...]", help="our service's --compiled-decode (default: off, its default)")
     args = parser.parse_args(argv)
+    our_options = ["--compiled-decode", args.compiled_decode] if args.compiled_decode else []
     systems, scenarios = args.systems.split(","), args.scenarios.split(",")
     unknown = sorted((set(systems) - set(SYSTEMS)) | (set(scenarios) - set(SCENARIOS)))
     if unknown:
@@ -475,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     folder = (args.folder or build_folder(DEFAULT_FOLDER)).resolve()
     try:
-        results = run(folder, [s for s in SYSTEMS if s in systems], [s for s in SCENARIOS if s in scenarios])
+        results = run(folder, [s for s in SYSTEMS if s in systems], [s for s in SCENARIOS if s in scenarios], our_options)
     except KeyboardInterrupt:
         raise SystemExit("interrupted; the servers are stopped") from None
     print_table(results)
@@ -487,6 +488,7 @@ def main(argv: list[str] | None = None) -> None:
             "machine": f"{os.cpu_count()} CPU cores",
             "vllm": f"vllm-cpu {VLLM_VERSION}",
             "model": "SmolLM2-135M's shape, random weights, float32" if args.folder is None else str(args.folder),
+            "ours": " ".join(["python -m service", *our_options]),
             "seconds": seconds,
             "scenarios": results,
         }

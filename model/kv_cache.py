@@ -271,7 +271,21 @@ class PagedLayer:
     step: RaggedStep
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q: (1, H, N, D); k, v: (1, Hkv, N, D) of the step's N tokens. Returns (1, H, N, D)."""
+        """q: (1, H, N, D); k, v: (1, Hkv, N, D) of the step's N tokens. Returns (1, H, N, D).
+        Traced by torch.compile (a compiled decode step: service/engine/compiled_decode.py) for
+        more than one sequence, the decodes' attention is one operation the graph calls, as vLLM's
+        compiled graphs call theirs (inductor's own code for it, dynamic in the batch, is slower
+        than these kernels); one sequence's is traced and fused with the rest."""
+        if torch.compiler.is_compiling() and q.shape[2] > 1:
+            group = self.step.decodes
+            assert group is not None and not self.step.chunks, "compiled steps are decode-only"
+            return torch.ops.transformer_serving.paged_decode_attention(
+                q, k, v, self.keys, self.values, self.step.slot_mapping, group.key_blocks, group.mask
+            )
+        return self.attend_eagerly(q, k, v)
+
+    def attend_eagerly(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """`attend`, operation by operation."""
         H, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
         grouped = Hkv != H
         flat_keys, flat_values = self.keys.view(-1, Hkv, D), self.values.view(-1, Hkv, D)  # (slots, Hkv, D)
@@ -303,3 +317,24 @@ class PagedLayer:
         index = blocks.flatten()
         keys, values = (c.view(c.shape[0], -1).index_select(0, index).view(B, nb * block_size, Hkv, D) for c in (self.keys, self.values))
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+def paged_decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slot_mapping: Tensor, key_blocks: Tensor, mask: Tensor
+) -> Tensor:
+    """PagedLayer(keys, values, step).attend(q, k, v) for a step of one token per sequence, whose
+    DecodeGroup has key_blocks and mask (rows: the step's, in order): writes the new keys and values
+    into the pool (keys, values), returns the attention (1, H, N, D)."""
+    rows = torch.arange(q.shape[2], device=q.device)
+    return PagedLayer(keys, values, RaggedStep(slot_mapping, DecodeGroup(rows, key_blocks, mask), [])).attend_eagerly(q, k, v)
+
+
+_decode_attention_op = torch.library.custom_op(
+    "transformer_serving::paged_decode_attention", paged_decode_attention, mutates_args=("keys", "values")
+)
+
+
+@_decode_attention_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slot_mapping: Tensor, key_blocks: Tensor, mask: Tensor) -> Tensor:
+    _, H, N, D = q.shape
+    return q.new_empty(N, H, D).transpose(0, 1)[None]  # (1, H, N, D) laid out as attend's

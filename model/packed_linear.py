@@ -72,11 +72,26 @@ class PackedLinear(nn.Module):
         if n <= MAX_MKL_ROWS or n > MAX_PACKED_ROWS or torch.is_grad_enabled():
             y = rows @ self.weight_t if self.bias is None else torch.addmm(self.bias, rows, self.weight_t)  # (N, out)
             return y.view(*x.shape[:-1], self.out_features)
-        padded = padded_rows(n)
-        if padded > n:
-            rows = F.pad(rows, (0, 0, 0, padded - n))  # (P, in): zero rows, dropped below
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # (P, out)
-        return y[:n].view(*x.shape[:-1], self.out_features)
+        # Under torch.compile the packed product is one opaque operation (inductor cannot lower it).
+        product = torch.ops.transformer_serving.packed_linear if torch.compiler.is_compiling() else packed_product
+        return product(rows, self.packed_weight, self.bias, self.out_features).view(*x.shape[:-1], self.out_features)
+
+
+def packed_product(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """rows (N, in) times a weight packed by oneDNN (PackedLinear.packed_weight), plus bias: (N, out_features)."""
+    n = rows.shape[0]
+    padded = padded_rows(n)
+    if padded > n:
+        rows = F.pad(rows, (0, 0, 0, padded - n))  # (P, in): zero rows, dropped below
+    return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")[:n]  # (N, out)
+
+
+_packed_op = torch.library.custom_op("transformer_serving::packed_linear", packed_product, mutates_args=())
+
+
+@_packed_op.register_fake
+def _(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    return rows.new_empty(rows.shape[0], out_features)
 
 
 def pack_linear_layers(model: Translator | Generator) -> None:

@@ -40,8 +40,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=1, help="replicas of each model")
     parser.add_argument("--slots", type=int, default=None, help="concurrent sequences per replica (default: 64 translators, 32 generators)")
     parser.add_argument("--torch-threads", type=int, default=None, help="CPU threads per replica")
+    parser.add_argument(
+        "--compiled-decode",
+        type=batch_sizes,
+        default=(),
+        metavar="B[,B...]",
+        help="batch sizes at which a generator's decode steps run torch.compile'd, each kept where it measures faster (compiled at start)",
+    )
     parser.add_argument("--cors-origin", action="append", default=[], help="an origin browsers may call the API from (repeatable)")
     return parser.parse_args(argv)
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """--compiled-decode's value: comma-separated positive integers."""
+    try:
+        sizes = tuple(int(size) for size in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes") from None
+    if any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError("batch sizes are at least 1")
+    return sizes
 
 
 def model_entries(specs: list[str]) -> list[ModelServingConfig]:
@@ -76,6 +94,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             engine = replace(engine, default_max_tokens=16)  # OpenAI's default for completions
         if args.slots is not None:
             engine = replace(engine, n_slots=args.slots)
+        if args.compiled_decode and model.kind == "generator":
+            engine = replace(engine, compiled_decode=args.compiled_decode)
         update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}
         return model.model_copy(update=update)
 

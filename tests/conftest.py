@@ -20,6 +20,7 @@ torch.set_num_threads(1)
 # API and engine tests and one real Serve app (tests/service/test_smoke.py).
 FULL_TIER = {
     "tests/cluster/": "a two-node Ray cluster: autoscaling, rollouts, Prometheus (about 10 minutes)",
+    "tests/engine/test_compiled_decode.py": "torch.compile of the decode step (about a minute of compilation)",
     "tests/service/test_soak.py": "a 5-minute soak",
     "tests/service/test_faults.py": "a second Serve app whose replicas fail, stall and are killed (2 minutes)",
     "tests/service/test_overload.py": "bursts of 3x capacity",

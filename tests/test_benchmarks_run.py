@@ -138,5 +138,14 @@ def test_linear_quick() -> None:
     assert all(figures[f"{kind}_speedup_{rows}"] > 0 for kind in ("packed", "projection") for rows in (1, 16))
 
 
+def test_compiled_decode_quick_times_both_graphs() -> None:
+    figures = printed_json(run("benchmarks.compiled_decode", "--quick", "--json"))
+    for batch in (1, 2):
+        assert figures[f"eager_ms_b{batch}"] > 0 and figures[f"compiled_ms_b{batch}"] > 0
+        assert figures[f"compiled_vs_eager_b{batch}"] == pytest.approx(
+            figures[f"eager_ms_b{batch}"] / figures[f"compiled_ms_b{batch}"], rel=0.01
+        )
+
+
 def test_report_check_finds_every_page_up_to_date() -> None:
     assert run("benchmarks.report", "--check").stdout == ""

@@ -68,6 +68,11 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
     prefix_caching: bool = True
+    # Batch sizes at which a decoder-only model's decode-only steps run compiled by torch.compile
+    # (inductor; service/engine/compiled_decode.py): compiled and timed against the eager step when
+    # the replica starts (a minute or two per graph on 2 CPU cores), each kept only where the
+    # compiled step is faster. Empty: every step eager. Not used where CUDA graphs run the decodes.
+    compiled_decode: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n_slots < 1 or self.max_waiting < 1 or self.max_num_batched_tokens < 1:
@@ -80,6 +85,8 @@ class EngineConfig:
             self.default_max_tokens is not None and self.default_max_tokens < 1
         ):
             raise ValueError("max_tokens_cap and default_max_tokens must be at least 1")
+        if any(not 1 <= size <= self.n_slots for size in self.compiled_decode):
+            raise ValueError(f"compiled_decode batch sizes must be between 1 and n_slots ({self.n_slots})")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError("max_context must be at least 2 (a prompt token and one generated)")
 

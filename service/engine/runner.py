@@ -16,6 +16,7 @@ from loading.tokenizer import TextTokenizer
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, PagedKVCache, ragged_step
 from model.translator import Translator
+from service.engine.compiled_decode import CompiledDecode
 from service.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, TokenLogprob, serving_context
 from service.engine.fixed_shape import GeneratorDecoder, PagedFed, TranslatorDecoder
 from service.engine.grammar import GrammarMasks
@@ -186,6 +187,8 @@ class GeneratorRunner:
             fixed_shape_decode = self.device.type == "cuda"
         capture = self.device.type == "cuda"
         self.fixed_shape = GeneratorDecoder(model, self.cache, config.n_slots, self.max_len, capture) if fixed_shape_decode else None
+        compiled = config.compiled_decode and not fixed_shape_decode
+        self.compiled = CompiledDecode(model, self.cache, config.compiled_decode) if compiled else None
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - prompt_length
@@ -269,13 +272,16 @@ class GeneratorRunner:
     def decode_logits(self, fed: PagedFed) -> Tensor:
         """Next-token logits (R, V) of a step of one token per sequence, a row per sequence of fed
         (slot -> (token, position, block table)) in its order, suppressed ids not yet applied: the
-        fixed-shape step or the ragged one."""
+        fixed-shape step, the compiled one at the batch sizes it runs, or the ragged one."""
         if self.fixed_shape is not None:
             return self.fixed_shape(fed)
         ids_list, positions_list, tables = (list(column) for column in zip(*fed.values(), strict=True))
         step = ragged_step([1] * len(fed), positions_list, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
         ids = torch.tensor(ids_list, device=self.device)
         positions = torch.tensor(positions_list, device=self.device)
+        compiled = self.compiled(ids, positions, step) if self.compiled is not None else None
+        if compiled is not None:
+            return compiled
         rows = torch.arange(len(fed), device=self.device)
         return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
 

@@ -1,0 +1,122 @@
+"""A decoder-only model's decode steps compiled by torch.compile (inductor), where that is faster.
+
+A decode-only step (one new token per sequence) runs the same small operations in every layer:
+norms, rotary positions, the residual adds, the gated feed-forward's activation. Eagerly, each is
+a dispatch and a pass over memory; inductor fuses them into a few C++ loops. The paged attention
+(model/kv_cache.py) and oneDNN's packed products (model/packed_linear.py) are operations the graph
+calls as they are, as vLLM's compiled graphs call their attention.
+
+Graphs: torch specializes a batch of one, so batch 1 has its own graph, and every other batch
+size shares one, dynamic in the batch and in the key length (a step's key blocks are padded to at
+least two, so that no length specializes either). EngineConfig.compiled_decode names the batch
+sizes to try: at start each is compiled and then timed against the eager step on the same inputs
+(alternating, the median of TIMED_STEPS each), and kept only where compiled is faster (`timings`
+says by how much). A step of another batch size runs eagerly, and so does one that would need a
+new graph (torch.compiler's eager_on_recompile stance): no request waits for a compilation.
+"""
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from model.generator import Generator
+from model.kv_cache import DecodeGroup, PagedKVCache, RaggedStep, ragged_step
+
+logger = logging.getLogger(__name__)
+
+WARM_UP_KEYS = 256  # key length of the timed steps
+TIMED_STEPS = 5  # per system and batch size
+MIN_KEY_BLOCKS = 2  # a step's key blocks are padded to at least this many (size 1 would specialize)
+
+
+class CompiledDecode:
+    """Decode-only steps of `model` over `cache`, compiled at the batch sizes where that wins."""
+
+    stance = "eager_on_recompile"  # torch.compiler's, for every step after the warm-up
+
+    def __init__(self, model: Generator, cache: PagedKVCache, batch_sizes: Sequence[int]) -> None:
+        """Compiles and times the step at each of batch_sizes now (on the cache's null block only:
+        the pool's other blocks are untouched)."""
+        self.model, self.cache = model, cache
+        self.device = cache.keys[0].device
+        self._compiled = torch.compile(self._step, dynamic=True)
+        self.timings: dict[int, tuple[float, float]] = {}  # batch size -> (eager, compiled) seconds per step
+        self.batch_sizes: frozenset[int] = frozenset()  # those that run compiled
+        self._warm_up(sorted(set(batch_sizes)))
+
+    def _step(self, ids: Tensor, positions: Tensor, slot_mapping: Tensor, key_blocks: Tensor, mask: Tensor) -> Tensor:
+        """Logits (B, V) of one token per sequence: ids, positions, slot_mapping (B,) and the
+        attention's key_blocks (B, nb) and mask (B, 1 | H, 1, nb x block_size) of a decode step."""
+        rows = torch.arange(ids.shape[0], device=ids.device)  # (B,)
+        step = RaggedStep(slot_mapping, DecodeGroup(rows, key_blocks, mask), [])
+        return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
+
+    def __call__(self, ids: Tensor, positions: Tensor, step: RaggedStep) -> Tensor | None:
+        """The logits (B, V) of a decode-only step (ids and positions (B,), the step of one token
+        per sequence from ragged_step), compiled; None when its batch size runs eagerly."""
+        if ids.shape[0] not in self.batch_sizes or step.decodes is None:
+            return None
+        key_blocks, mask = padded_blocks(step.decodes, self.cache.block_size)
+        with torch.compiler.set_stance(self.stance):
+            return self._compiled(ids, positions, step.slot_mapping, key_blocks, mask)
+
+    @torch.inference_mode()
+    def _warm_up(self, batch_sizes: list[int]) -> None:
+        for batch in batch_sizes:
+            started = time.perf_counter()
+            for keys in (WARM_UP_KEYS, 3 * self.cache.block_size):  # two lengths, one graph
+                self._compiled(*self._null_block_step(batch, keys))
+            compile_seconds = time.perf_counter() - started
+            self.timings[batch] = self.time_step(batch, WARM_UP_KEYS, TIMED_STEPS)
+            faster = self.timings[batch][1] < self.timings[batch][0]
+            if faster:
+                self.batch_sizes |= {batch}
+            logger.info(
+                "decode at batch %d: eager %.1f ms, compiled %.1f ms (compiled in %.0f s): %s",
+                batch,
+                1e3 * self.timings[batch][0],
+                1e3 * self.timings[batch][1],
+                compile_seconds,
+                "compiled" if faster else "eager",
+            )
+
+    @torch.inference_mode()
+    def time_step(self, batch: int, keys: int, steps: int) -> tuple[float, float]:
+        """Median seconds of the eager and the compiled step of `batch` sequences attending over
+        `keys` keys (in the null block), the two taking turns `steps` times."""
+        inputs = self._null_block_step(batch, keys)
+        eager: list[float] = []
+        compiled: list[float] = []
+        for _ in range(steps):
+            for times, step in ((eager, self._step), (compiled, self._compiled)):
+                started = time.perf_counter()
+                step(*inputs)
+                times.append(time.perf_counter() - started)
+        return statistics.median(eager), statistics.median(compiled)
+
+    def _null_block_step(self, batch: int, keys: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Inputs of a step of `batch` sequences at position keys - 1 whose every block is the null
+        block (block 0, which no sequence owns): it writes nothing any sequence reads."""
+        blocks = -(-keys // self.cache.block_size)
+        slopes = self.model.positions.alibi_slopes
+        step = ragged_step([1] * batch, [keys - 1] * batch, [[0] * blocks] * batch, self.cache.block_size, self.device, slopes)
+        assert step.decodes is not None
+        ids = torch.full((batch,), self.model.config.pad_id, device=self.device)
+        positions = torch.full((batch,), keys - 1, device=self.device)
+        return (ids, positions, step.slot_mapping, *padded_blocks(step.decodes, self.cache.block_size))
+
+
+def padded_blocks(group: DecodeGroup, block_size: int) -> tuple[Tensor, Tensor]:
+    """The group's key blocks (B, nb) and mask (B, 1 | H, 1, nb x block_size) with at least
+    MIN_KEY_BLOCKS blocks: padded with the null block, masked out."""
+    missing = MIN_KEY_BLOCKS - group.key_blocks.shape[1]
+    if missing <= 0:
+        return group.key_blocks, group.mask
+    blocks = torch.nn.functional.pad(group.key_blocks, (0, missing))  # null block 0
+    blocked = False if group.mask.dtype == torch.bool else float("-inf")
+    mask = torch.nn.functional.pad(group.mask, (0, missing * block_size), value=blocked)
+    return blocks, mask

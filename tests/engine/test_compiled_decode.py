@@ -1,0 +1,136 @@
+"""The compiled decode step (service/engine/compiled_decode.py) computes what the eager step
+computes: logits within 1e-4 at batch 1 and at batch sizes of the shared dynamic graph, with key
+blocks padded or not, and greedy answers equal to the plain engine's; a step that would need a new
+graph runs eagerly instead of compiling."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from decoding.sampling_params import GREEDY
+from loading.checkpoint import load_checkpoint
+from loading.tokenizer import TextTokenizer
+from model.generator import Generator
+from model.kv_cache import ragged_step
+from model.packed_linear import pack_linear_layers, packing_available
+from service.engine.compiled_decode import CompiledDecode
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
+from service.engine.request import GenerationParams, Request
+from service.engine.runner import GeneratorRunner
+from tests.engine.helpers import assert_equal_up_to_a_tie, run
+from tests.hf_folders import build_llama_folder
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="the packed (oneDNN) products are what the compiled graph calls")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Generator, TextTokenizer]:
+    model, tokenizer = load_checkpoint(build_llama_folder(tmp_path_factory.mktemp("llama"), max_positions=256))
+    assert isinstance(model, Generator)
+    pack_linear_layers(model)  # as Engine.from_checkpoint does on the CPU
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def runner(llama: tuple[Generator, TextTokenizer]) -> GeneratorRunner:
+    """A runner whose both graphs (batch 1 and the shared one) are compiled, and which runs every
+    size 1-4 compiled, whatever the timings said."""
+    model, tokenizer = llama
+    runner = GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4, max_context=256, compiled_decode=(1, 2)))
+    assert runner.compiled is not None
+    assert set(runner.compiled.timings) == {1, 2} and all(eager > 0 and fast > 0 for eager, fast in runner.compiled.timings.values())
+    runner.compiled.batch_sizes = frozenset({1, 2, 3, 4})
+    return runner
+
+
+@pytest.fixture
+def compiled(runner: GeneratorRunner, monkeypatch: pytest.MonkeyPatch) -> CompiledDecode:
+    """The runner's compiled steps, failing where a step would not run a compiled graph (so that
+    no test below passes by running the eager step)."""
+    assert runner.compiled is not None
+    monkeypatch.setattr(runner.compiled, "stance", "fail_on_recompile")
+    return runner.compiled
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(("batch", "length"), [(1, 5), (1, 70), (3, 5), (3, 70), (4, 33)])
+def test_the_compiled_step_computes_the_eager_steps_logits(compiled: CompiledDecode, batch: int, length: int) -> None:
+    """length 5: one key block, padded to two inside the compiled step; 70: five blocks."""
+    torch.manual_seed(batch * 1000 + length)
+    cache, block_size = compiled.cache, compiled.cache.block_size
+    for pool in cache.keys + cache.values:
+        pool.normal_()  # keys and values of earlier tokens, as a prefill would have written them
+    blocks = -(-length // block_size)
+    tables = [list(range(1 + b * blocks, 1 + (b + 1) * blocks)) for b in range(batch)]
+    positions_list = [length - 1 - b for b in range(batch)]  # rows of different lengths
+    step = ragged_step([1] * batch, positions_list, tables, block_size, torch.device("cpu"))
+    ids = torch.randint(0, compiled.model.config.vocab_size, (batch,))
+    positions = torch.tensor(positions_list)
+    fast = compiled(ids, positions, step)
+    assert fast is not None
+    rows = torch.arange(batch)
+    eager = compiled.model.forward_ragged(ids, positions, cache.layers(step), rows)  # writes the same keys again
+    assert fast.shape == eager.shape == (batch, compiled.model.config.vocab_size)
+    torch.testing.assert_close(fast, eager, atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_a_step_that_needs_a_new_graph_runs_eagerly(runner: GeneratorRunner) -> None:
+    """Under the stance steps run with (eager_on_recompile) no call compiles: a float mask where the
+    graphs took a boolean one fails their guards and the step runs eagerly, with the same logits."""
+    compiled = runner.compiled
+    assert compiled is not None and compiled.stance == "eager_on_recompile"
+    graphs = counters["stats"]["unique_graphs"]
+    step = ragged_step([1, 1], [20, 30], [[1, 2], [3, 4]], compiled.cache.block_size, torch.device("cpu"))
+    assert step.decodes is not None
+    step.decodes.mask = torch.zeros(step.decodes.mask.shape).masked_fill(~step.decodes.mask, float("-inf"))
+    ids, positions = torch.tensor([5, 6]), torch.tensor([20, 30])
+    compiled.stance = "fail_on_recompile"  # what the other tests run under: this step would fail there
+    with pytest.raises(RuntimeError, match="recompile"):
+        compiled(ids, positions, step)
+    del compiled.stance  # back to the class's
+    logits = compiled(ids, positions, step)
+    assert counters["stats"]["unique_graphs"] == graphs, "a request paid for a compilation"
+    assert logits is not None
+    eager = compiled.model.forward_ragged(ids, positions, compiled.cache.layers(step), torch.arange(2))
+    torch.testing.assert_close(logits, eager, atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+def test_an_engine_with_compiled_decodes_answers_as_the_plain_engine(
+    llama: tuple[Generator, TextTokenizer], runner: GeneratorRunner, compiled: CompiledDecode
+) -> None:
+    model, tokenizer = llama
+    config = EngineConfig(n_slots=4, max_context=256)
+    plain = Engine(GeneratorRunner(model, tokenizer, config), config)
+    fast = Engine(runner, config)  # every decode-only step through a compiled graph (or failing)
+    texts = ["You are all resolved rather to die than to famish?", "Let us kill him", "O", "We are accounted poor citizens"]
+    params = GenerationParams(max_tokens=20, sampling=GREEDY)
+
+    def arrivals(engine: Engine) -> dict[int, list[Request]]:
+        return {i: [Request(str(i), engine.runner.encode_prompt(t), params)] for i, t in enumerate(texts)}  # batches of 1 to 4
+
+    expected, got = run(plain, arrivals(plain)), run(fast, arrivals(fast))
+    assert got.keys() == expected.keys()
+    for request_id, tokens in got.items():
+        prompt = plain.runner.encode_prompt(texts[int(request_id)])
+
+        def logits_after(prefix: list[int], prompt: list[int] = prompt) -> torch.Tensor:
+            return model(torch.tensor([prompt + prefix]))[0, -1]
+
+        assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)
+
+
+def test_compiled_batch_sizes_are_within_the_slots() -> None:
+    with pytest.raises(ValueError, match="compiled_decode"):
+        EngineConfig(n_slots=4, compiled_decode=(1, 8))
+
+
+def test_a_runner_compiles_only_what_the_config_names(tmp_path: Path) -> None:
+    model, tokenizer = load_checkpoint(build_llama_folder(tmp_path / "llama"))
+    assert isinstance(model, Generator)
+    assert GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4)).compiled is None
+    assert GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4, compiled_decode=(1,)), fixed_shape_decode=True).compiled is None
