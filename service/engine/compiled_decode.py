@@ -66,12 +66,13 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def _warm_up(self, batch_sizes: list[int]) -> None:
+        keys = min(WARM_UP_KEYS, self.model.config.max_len)  # within the model's positions
         for batch in batch_sizes:
             started = time.perf_counter()
-            for keys in (WARM_UP_KEYS, 3 * self.cache.block_size):  # two lengths, one graph
-                self._compiled(*self._null_block_step(batch, keys))
+            for length in (keys, min(keys, 3 * self.cache.block_size)):  # two lengths, one graph
+                self._compiled(*self._null_block_step(batch, length))
             compile_seconds = time.perf_counter() - started
-            self.timings[batch] = self.time_step(batch, WARM_UP_KEYS, TIMED_STEPS)
+            self.timings[batch] = self.time_step(batch, keys, TIMED_STEPS)
             faster = self.timings[batch][1] < self.timings[batch][0]
             if faster:
                 self.batch_sizes |= {batch}

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(not packing_available(), reason="the packed (one
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Generator, TextTokenizer]:
-    model, tokenizer = load_checkpoint(build_llama_folder(tmp_path_factory.mktemp("llama"), max_positions=256))
+    folder = build_llama_folder(tmp_path_factory.mktemp("llama"), max_positions=128)  # fewer than the warm-up's 256 keys
+    model, tokenizer = load_checkpoint(folder)
     assert isinstance(model, Generator)
     pack_linear_layers(model)  # as Engine.from_checkpoint does on the CPU
     return model, tokenizer
@@ -39,7 +40,7 @@ def runner(llama: tuple[Generator, TextTokenizer]) -> GeneratorRunner:
     """A runner whose both graphs (batch 1 and the shared one) are compiled, and which runs every
     size 1-4 compiled, whatever the timings said."""
     model, tokenizer = llama
-    runner = GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4, max_context=256, compiled_decode=(1, 2)))
+    runner = GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4, compiled_decode=(1, 2)))
     assert runner.compiled is not None
     assert set(runner.compiled.timings) == {1, 2} and all(eager > 0 and fast > 0 for eager, fast in runner.compiled.timings.values())
     runner.compiled.batch_sizes = frozenset({1, 2, 3, 4})
@@ -104,7 +105,7 @@ def test_an_engine_with_compiled_decodes_answers_as_the_plain_engine(
     llama: tuple[Generator, TextTokenizer], runner: GeneratorRunner, compiled: CompiledDecode
 ) -> None:
     model, tokenizer = llama
-    config = EngineConfig(n_slots=4, max_context=256)
+    config = EngineConfig(n_slots=4)
     plain = Engine(GeneratorRunner(model, tokenizer, config), config)
     fast = Engine(runner, config)  # every decode-only step through a compiled graph (or failing)
     texts = ["You are all resolved rather to die than to famish?", "Let us kill him", "O", "We are accounted poor citizens"]
