@@ -58,8 +58,9 @@ class CompiledDecode:
     def __call__(self, ids: Tensor, positions: Tensor, step: RaggedStep) -> Tensor | None:
         """The logits (B, V) of a decode-only step (ids and positions (B,), the step of one token
         per sequence from ragged_step), compiled; None when its batch size runs eagerly."""
-        if ids.shape[0] not in self.batch_sizes or step.decodes is None:
+        if ids.shape[0] not in self.batch_sizes:
             return None
+        assert step.decodes is not None, "a decode-only step"
         key_blocks, mask = padded_blocks(step.decodes, self.cache.block_size)
         with torch.compiler.set_stance(self.stance):
             return self._compiled(ids, positions, step.slot_mapping, key_blocks, mask)
@@ -69,7 +70,10 @@ class CompiledDecode:
         keys = min(WARM_UP_KEYS, self.model.config.max_len)  # within the model's positions
         for batch in batch_sizes:
             started = time.perf_counter()
-            for length in (keys, min(keys, 3 * self.cache.block_size)):  # two lengths, one graph
+            # A second length: where the first graph took a length as a constant, torch recompiles
+            # it here with that size symbolic, not at a request (without it, the shipped generator's
+            # benchmark at 64 keys recompiled after a warm-up at 256).
+            for length in (keys, min(keys, 3 * self.cache.block_size)):
                 self._compiled(*self._null_block_step(batch, length))
             compile_seconds = time.perf_counter() - started
             self.timings[batch] = self.time_step(batch, keys, TIMED_STEPS)
