@@ -147,5 +147,15 @@ def test_compiled_decode_quick_times_both_graphs() -> None:
         )
 
 
+def test_paged_attention_quick_times_the_kernel_and_the_plain_path() -> None:
+    figures = printed_json(run("benchmarks.paged_attention", "--quick", "--json"))
+    speedups = {k: v for k, v in figures.items() if k.startswith("kernel_vs_plain_")}
+    assert len(speedups) == 3  # one layer at two head shapes, and the shipped generator's step
+    for key, speedup in speedups.items():
+        stem = key.removeprefix("kernel_vs_plain_")
+        unit = "us" if stem.startswith("attention") else "ms"
+        assert speedup == pytest.approx(figures[f"{stem}_plain_{unit}"] / figures[f"{stem}_kernel_{unit}"], rel=0.01)
+
+
 def test_report_check_finds_every_page_up_to_date() -> None:
     assert run("benchmarks.report", "--check").stdout == ""

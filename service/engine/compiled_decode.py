@@ -52,7 +52,7 @@ class CompiledDecode:
         """Logits (B, V) of one token per sequence: ids, positions, slot_mapping (B,) and the
         attention's key_blocks (B, nb) and mask (B, 1 | H, 1, nb x block_size) of a decode step."""
         rows = torch.arange(ids.shape[0], device=ids.device)  # (B,)
-        step = RaggedStep(slot_mapping, DecodeGroup(rows, key_blocks, mask), [])
+        step = RaggedStep(slot_mapping, DecodeGroup(rows, key_blocks, positions + 1, mask), [])
         return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
 
     def __call__(self, ids: Tensor, positions: Tensor, step: RaggedStep) -> Tensor | None:

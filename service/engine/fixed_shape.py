@@ -101,7 +101,7 @@ class BucketedDecoder:
                 distance = (positions[:, None] - key_positions).to(slopes.dtype)  # (B, L)
                 mask = (-slopes[None, :, None] * distance[:, None, :]).masked_fill(~valid[:, None, :], float("-inf"))[:, :, None]
             slot_mapping = slots_of(self.tables[:B], positions[:, None], self.cache.block_size)[:, 0]  # (B,)
-            return self.cache.layers(RaggedStep(slot_mapping, DecodeGroup(rows, tables, mask), []))
+            return self.cache.layers(RaggedStep(slot_mapping, DecodeGroup(rows, tables, positions + 1, mask), []))
 
         return layers
 

@@ -142,11 +142,16 @@ SYSTEM = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\
 TEXTS = ["You are all resolved rather to die than to famish?", "Let us kill him", "O", "We are accounted poor citizens"]
 
 
-def served(model: Generator, tokenizer: TextTokenizer, config: EngineConfig) -> tuple[dict[str, list[Delta]], dict[str, list[int]], Engine]:
+def served(
+    model: Generator, tokenizer: TextTokenizer, config: EngineConfig, decode_kernel: bool = True
+) -> tuple[dict[str, list[Delta]], dict[str, list[int]], Engine]:
     """Greedy requests (24 tokens, logprobs) of SYSTEM + each text in three waves, the last repeating
     the first (whole prompts cached by then); each one's deltas and prompt, and the engine, whose
-    reports are kept in engine.reports."""
+    reports are kept in engine.reports. decode_kernel False: decodes attend through SDPA, not the
+    CPU kernel (model/paged_attention_cpu.py)."""
     engine = Engine(GeneratorRunner(model, tokenizer, config), config)
+    assert isinstance(engine.runner, GeneratorRunner)
+    engine.runner.cache.decode_kernel &= decode_kernel
     params = GenerationParams(max_tokens=24, sampling=GREEDY, logprobs=3)
     waves = {0: TEXTS[:2], 3: TEXTS[2:], 40: TEXTS}
     prompts = {f"{step}/{i}": engine.runner.encode_prompt(SYSTEM + t) for step, texts in waves.items() for i, t in enumerate(texts)}
@@ -162,7 +167,8 @@ def tokens_of(deltas: list[Delta]) -> list[int]:
     return [t for d in deltas for t in d.token_ids]
 
 
-# Each fast path alone and all together, against the plain run: no prefix caching, every prompt whole.
+# Each fast path alone and all together, against the plain run: no prefix caching, every prompt whole,
+# decodes attending through SDPA (the fast paths: through the CPU kernel, where it builds).
 # pool_blocks: a pool of that many blocks of 16 tokens (a context of 120), too small for four sequences at once.
 PLAIN = {"prefix_caching": False, "max_num_batched_tokens": 4096}
 FAST_PATHS: dict[str, dict[str, object]] = {
@@ -188,7 +194,7 @@ def engine_config(model: Generator, options: dict[str, object]) -> EngineConfig:
 def test_each_fast_path_answers_as_transformers_and_as_the_plain_run(llama: tuple[Path, Generator, TextTokenizer], path: str) -> None:
     folder, model, tokenizer = llama
     config = engine_config(model, FAST_PATHS[path])
-    plain, _, _ = served(model, tokenizer, engine_config(model, PLAIN))
+    plain, _, _ = served(model, tokenizer, engine_config(model, PLAIN), decode_kernel=False)
     fast, prompts, engine = served(model, tokenizer, config)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     for request_id, deltas in fast.items():
