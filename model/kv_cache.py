@@ -301,7 +301,7 @@ class PagedLayer:
         out = torch.empty_like(q[0].transpose(0, 1))  # (N, H, D)
         group = self.step.decodes
         if group is not None:
-            queries = q[0].index_select(1, group.rows).transpose(0, 1)  # (Bd, H, D)
+            queries = q[0].transpose(0, 1).index_select(0, group.rows)  # (Bd, H, D)
             if self.decode_kernel and group.mask.dtype == torch.bool:
                 attended = paged_attention_cpu.paged_decode_attention(queries, self.keys, self.values, group.key_blocks, group.lengths)
             else:

@@ -100,7 +100,6 @@ def paged_decode_attention(queries: Tensor, keys: Tensor, values: Tensor, key_bl
     assert keys.is_contiguous() and values.is_contiguous() and H % Hkv == 0
     queries = queries.contiguous()
     key_blocks, lengths = key_blocks.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
-    assert int(lengths.max()) <= key_blocks.shape[1] * block_size, "lengths past the rows' blocks"
     out = torch.empty(B, H, D)
     status = function(
         queries.data_ptr(),
@@ -117,6 +116,8 @@ def paged_decode_attention(queries: Tensor, keys: Tensor, values: Tensor, key_bl
         block_size,
         D**-0.5,
     )
+    if status == -2:
+        raise ValueError(f"paged_decode_attention: lengths past the rows' {key_blocks.shape[1]} blocks of {block_size}")
     if status != 0:
         raise MemoryError("paged_decode_attention: out of memory for its scores")
     return out

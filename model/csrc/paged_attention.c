@@ -11,13 +11,15 @@
 /* out[b, h] = softmax(q[b, h] . K_b^T * scale) V_b, where K_b, V_b are the first lengths[b]
  * positions of the blocks block_tables[b, 0..] of the pools keys, values (num_blocks, block_size,
  * Hkv, D). q, out: (B, H, D) contiguous; block_tables: (B, table_stride). Query head h reads key
- * head h / (H / Hkv). Returns 0, or -1 when out of memory. */
+ * head h / (H / Hkv). Returns 0; -1 when out of memory, -2 when a length is past its row's
+ * table_stride blocks (nothing computed). */
 int paged_decode_attention(const float *q, const float *keys, const float *values, const int64_t *block_tables,
                            int64_t table_stride, const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t Hkv,
                            int64_t D, int64_t block_size, float scale) {
     const int64_t group = H / Hkv, token_stride = Hkv * D, block_stride = block_size * token_stride;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
+    if (longest > table_stride * block_size) return -2;
     float *scores = malloc(sizeof(float) * (size_t)(H * longest + H * D));  /* (H, L), then the scaled queries (H, D) */
     if (scores == NULL) return -1;
     float *query = scores + H * longest;

@@ -49,6 +49,14 @@ def test_decode_attention_and_writes_equal_the_plain_paths(n_heads: int, n_kv_he
     assert torch.equal(fast_keys, plain_keys) and torch.equal(fast_values, plain_values)
 
 
+def test_lengths_past_the_rows_blocks_are_refused_not_read() -> None:
+    if paged_attention_cpu.kernel() is None:
+        pytest.skip("the kernel did not build here")
+    pool = torch.zeros(4, 16, 2, 8)
+    with pytest.raises(ValueError, match="past the rows' 2 blocks of 16"):
+        paged_attention_cpu.paged_decode_attention(torch.zeros(1, 2, 8), pool, pool, torch.tensor([[1, 2]]), torch.tensor([33]))
+
+
 def test_it_is_built_once_per_source_and_cpu(tmp_path: Path) -> None:
     compiler = shutil.which("cc")
     if compiler is None:
