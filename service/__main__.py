@@ -47,13 +47,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="B[,B...]",
         help="batch sizes at which a generator's decode steps run torch.compile'd, each kept where it measures faster (compiled at start)",
     )
-    parser.add_argument(
-        "--engine-cores",
-        type=int,
-        default=0,
-        metavar="K",
-        help="keep the last K of this process's cores for the replicas' engine threads, Ray and the HTTP path off them (Linux)",
-    )
     parser.add_argument("--cors-origin", action="append", default=[], help="an origin browsers may call the API from (repeatable)")
     return parser.parse_args(argv)
 
@@ -64,15 +57,6 @@ def batch_sizes(text: str) -> tuple[int, ...]:
         return tuple(int(size) for size in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes") from None
-
-
-def core_split(cores: set[int], engine_cores: int) -> tuple[set[int], set[int]]:
-    """--engine-cores: the engines' cores (the last engine_cores of `cores`) and the others'. A
-    ValueError unless at least one core is left for the others."""
-    if not 0 < engine_cores < len(cores):
-        raise ValueError(f"--engine-cores {engine_cores}: between 1 and {len(cores) - 1} of this process's {len(cores)} cores")
-    ordered = sorted(cores)
-    return set(ordered[-engine_cores:]), set(ordered[:-engine_cores])
 
 
 def model_entries(specs: list[str]) -> list[ModelServingConfig]:
@@ -98,7 +82,6 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
     # The models share this machine's GPU, if it has one.
     gpus = round(1 / len(models), 3) if args.device != "cpu" and torch.cuda.is_available() else 0.0
     deployment: dict[str, Any] = {"num_replicas": args.replicas, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": gpus}}
-    engine_cpus = tuple(sorted(core_split(os.sched_getaffinity(0), args.engine_cores)[0])) if args.engine_cores else ()
 
     def configured(model: ModelServingConfig) -> ModelServingConfig:
         engine = model.engine
@@ -111,7 +94,6 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         if args.compiled_decode and model.kind == "generator":
             engine = replace(engine, compiled_decode=args.compiled_decode)
         update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}
-        update["engine_cpus"] = engine_cpus
         return model.model_copy(update=update)
 
     return ServiceConfig(cors_origins=args.cors_origin, models=tuple(configured(m) for m in models))
@@ -154,8 +136,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"python -m service: {error}") from None
     if API_KEYS_ENV in os.environ:  # set but holding no key: refused, rather than serving without keys
         config = config.model_copy(update={"api_keys_env": API_KEYS_ENV}).with_environment_keys(os.environ)
-    if args.engine_cores:  # this process, and Ray's processes it starts, off the engines' cores
-        os.sched_setaffinity(0, core_split(os.sched_getaffinity(0), args.engine_cores)[1])
     os.environ.update(LOCAL_RAY_ENVIRONMENT)  # before Ray is imported
     import ray
     from ray import serve

@@ -76,10 +76,6 @@ class ModelServingConfig(BaseModel):
     # and backpressure_config itself.
     deployment: dict[str, Any] = {}
     torch_threads: int | None = None  # CPU threads for torch in each replica
-    # The cores each replica's engine thread is pinned to (Linux; empty: where the OS puts it).
-    # `python -m service --engine-cores K` keeps the last K cores for the engines and everything
-    # else (Ray, the HTTP proxy, the ingress) off them, as vLLM's CPU build splits its cores.
-    engine_cpus: tuple[int, ...] = ()
     # check_health fails once the engine loop has not come round for this long (a wedged step).
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     fault_injection: bool = False  # tests only: the engine steps through a FaultInjectingRunner (inject_fault())

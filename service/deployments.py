@@ -144,7 +144,7 @@ class ModelDeployment:
         self._warm_up(engine)
         self.metrics = ServingMetrics(config.name)
         engine.on_step = self.metrics.record_step
-        self.engine = AsyncEngine(engine, frozenset(config.engine_cpus))
+        self.engine = AsyncEngine(engine)
         self.runner = engine.runner
         self.inspector = AttentionInspector(config.checkpoint, device)
         pool = self.runner.kv_pool

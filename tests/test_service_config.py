@@ -86,22 +86,6 @@ def test_model_flags_serve_exactly_those_folders_named_as_told_or_after_the_fold
         parse_args(["--compiled-decode", "1,x"])
 
 
-def test_engine_cores_keeps_the_last_cores_for_the_engines_and_the_rest_for_everything_else(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    from service.__main__ import core_split, parse_args, service_config
-
-    assert core_split({0, 1, 2, 3}, 1) == ({3}, {0, 1, 2})
-    assert core_split({4, 6, 5}, 2) == ({5, 6}, {4})
-    for too_many in (0, 4):
-        with pytest.raises(ValueError, match="between 1 and 3"):
-            core_split({0, 1, 2, 3}, too_many)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    pinned = service_config(parse_args(["--engine-cores", "2", "--device", "cpu"]))
-    assert all(m.engine_cpus == (2, 3) for m in pinned.models)
-    assert all(m.engine_cpus == () for m in service_config(parse_args(["--device", "cpu"])).models)  # unpinned by default
-
-
 @pytest.mark.parametrize(
     ("make", "problem"),
     [

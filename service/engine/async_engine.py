@@ -3,7 +3,6 @@ thread runs the step loop (torch releases the GIL, so the event loop stays respo
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -35,10 +34,8 @@ class AsyncEngine:
     """Owns an Engine and the thread that steps it. All engine state is touched by that thread only;
     callers talk to it through an inbox."""
 
-    def __init__(self, engine: Engine, cpus: frozenset[int] = frozenset()) -> None:
-        """cpus: the cores the step loop's thread is pinned to (Linux; empty: not pinned)."""
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.cpus = cpus
         self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.Queue[Delta], asyncio.AbstractEventLoop]] = {}
         self._wakeup = threading.Event()
@@ -147,8 +144,6 @@ class AsyncEngine:
                     self.engine.abort(delta.request_id)
 
     def _run(self) -> None:
-        if self.cpus:
-            os.sched_setaffinity(0, self.cpus)  # this thread only: the steps' torch work runs on it (one torch thread)
         while not self._stopping.is_set():
             self.last_heartbeat = time.monotonic()
             self._drain_inbox()

@@ -1,7 +1,6 @@
 """The async front: streams, early exit aborts, queue bound, a failing step, liveness."""
 
 import asyncio
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -167,21 +166,3 @@ def test_a_failing_step_reports_an_error_and_the_loop_keeps_serving() -> None:
     assert bad[-1].finish_reason == "error" and bad[-1].error is not None
     assert good[-1].finish_reason == "stop"
     assert not engine._thread.is_alive()  # stop() joined the loop thread
-
-
-def test_the_step_loops_thread_runs_on_the_cores_it_is_given_and_the_callers_keep_theirs() -> None:
-    mine = os.sched_getaffinity(0)
-    core = max(mine)
-    engine = AsyncEngine(Engine(FakeRunner(), EngineConfig(n_slots=2)), frozenset({core}))  # type: ignore[arg-type]
-    try:
-        thread = engine._thread
-        assert thread.native_id is not None
-
-        async def main() -> list[Delta]:
-            return await collect(await engine.submit([10, 3], GenerationParams(max_tokens=5)))  # a step ran: the loop is past its start
-
-        assert asyncio.run(main())[-1].finish_reason is not None
-        assert os.sched_getaffinity(thread.native_id) == {core}
-        assert os.sched_getaffinity(0) == mine
-    finally:
-        engine.stop()
