@@ -302,7 +302,10 @@ class PagedLayer:
         group = self.step.decodes
         if group is not None:
             queries = q[0].transpose(0, 1).index_select(0, group.rows)  # (Bd, H, D)
-            if self.decode_kernel and group.mask.dtype == torch.bool:
+            # Not while torch.compile traces a step (a ctypes call would break its graph): there the
+            # graph of several sequences calls the kernel through paged_decode_attention, and one
+            # sequence's SDPA is traced.
+            if self.decode_kernel and group.mask.dtype == torch.bool and not torch.compiler.is_compiling():
                 attended = paged_attention_cpu.paged_decode_attention(queries, self.keys, self.values, group.key_blocks, group.lengths)
             else:
                 keys, values = self._gather(group.key_blocks)  # (Bd, Hkv, L, D)

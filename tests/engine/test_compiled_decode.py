@@ -40,8 +40,10 @@ def runner(llama: tuple[Generator, TextTokenizer]) -> GeneratorRunner:
     """A runner whose both graphs (batch 1 and the shared one) are compiled, and which runs every
     size 1-4 compiled, whatever the timings said."""
     model, tokenizer = llama
+    counters.clear()
     runner = GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4, compiled_decode=(1, 2)))
     assert runner.compiled is not None
+    assert not counters["graph_break"], f"the decode step is not one graph: {dict(counters['graph_break'])}"
     assert set(runner.compiled.timings) == {1, 2} and all(eager > 0 and fast > 0 for eager, fast in runner.compiled.timings.values())
     runner.compiled.batch_sizes = frozenset({1, 2, 3, 4})
     return runner
