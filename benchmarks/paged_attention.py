@@ -27,7 +27,7 @@ from benchmarks.provenance import commit
 from loading.checkpoint import DEFAULT_GENERATOR, load_checkpoint
 from model import paged_attention_cpu
 from model.generator import Generator
-from model.kv_cache import PagedKVCache, PagedLayer, ragged_step
+from model.kv_cache import PagedKVCache, PagedLayer, RaggedStep, ragged_step
 from model.packed_linear import pack_linear_layers, packing_available
 
 BLOCK_SIZE = 16
@@ -48,15 +48,29 @@ def side_by_side(plain: Callable[[], object], kernel: Callable[[], object], step
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def scattered_step(batch: int, keys: int) -> tuple[int, RaggedStep]:
+    """A pool's size in blocks and the decode step of `batch` sequences at position keys - 1, each
+    holding blocks of that pool in a random order (never the null block 0)."""
+    per_row = -(-keys // BLOCK_SIZE)
+    order = (torch.randperm(batch * per_row) + 1).tolist()
+    tables = [order[i * per_row : (i + 1) * per_row] for i in range(batch)]
+    return batch * per_row + 1, ragged_step([1] * batch, [keys - 1] * batch, tables, BLOCK_SIZE, torch.device("cpu"))
+
+
+def record(figures: dict[str, object], label: str, key: str, plain: float, fast: float, unit: str) -> None:
+    """Prints a table row and adds {key}_plain_{unit}, {key}_kernel_{unit} and kernel_vs_plain_{key}."""
+    scale, digits = {"us": (1e6, 1), "ms": (1e3, 2)}[unit]
+    print(f"{label:<28} {scale * plain:>9.{digits - 1}f} {scale * fast:>10.{digits - 1}f} {plain / fast:>9.2f}")
+    figures |= {f"{key}_plain_{unit}": round(scale * plain, digits), f"{key}_kernel_{unit}": round(scale * fast, digits)}
+    figures[f"kernel_vs_plain_{key}"] = round(plain / fast, 3)
+
+
 def attention_alone(heads: tuple[int, int, int], batch: int, keys: int, steps: int) -> tuple[float, float]:
     """One layer's decode attention of `batch` sequences over `keys` keys each, in scattered blocks."""
     H, Hkv, D = heads
-    per_row = -(-keys // BLOCK_SIZE)
-    cache = PagedKVCache(1, batch * per_row + 1, BLOCK_SIZE, Hkv, D)
+    num_blocks, step = scattered_step(batch, keys)
+    cache = PagedKVCache(1, num_blocks, BLOCK_SIZE, Hkv, D)
     cache.keys[0].normal_(), cache.values[0].normal_()
-    order = (torch.randperm(batch * per_row) + 1).tolist()
-    tables = [order[i * per_row : (i + 1) * per_row] for i in range(batch)]
-    step = ragged_step([1] * batch, [keys - 1] * batch, tables, BLOCK_SIZE, torch.device("cpu"))
     q, k, v = torch.randn(1, H, batch, D), torch.randn(1, Hkv, batch, D), torch.randn(1, Hkv, batch, D)
     layers = [PagedLayer(cache.keys[0], cache.values[0], step, fast) for fast in (False, True)]
     return side_by_side(lambda: layers[0].attend(q, k, v), lambda: layers[1].attend(q, k, v), steps)
@@ -66,11 +80,8 @@ def attention_alone(heads: tuple[int, int, int], batch: int, keys: int, steps: i
 def decode_step(model: Generator, batch: int, keys: int, steps: int) -> tuple[float, float]:
     """The model's decode step of `batch` sequences over `keys` keys each (their blocks scattered)."""
     c = model.config
-    per_row = -(-keys // BLOCK_SIZE)
-    cache = PagedKVCache(c.n_layers, batch * per_row + 1, BLOCK_SIZE, c.kv_heads, c.head_dim)
-    order = (torch.randperm(batch * per_row) + 1).tolist()
-    tables = [order[i * per_row : (i + 1) * per_row] for i in range(batch)]
-    step = ragged_step([1] * batch, [keys - 1] * batch, tables, BLOCK_SIZE, torch.device("cpu"))
+    num_blocks, step = scattered_step(batch, keys)
+    cache = PagedKVCache(c.n_layers, num_blocks, BLOCK_SIZE, c.kv_heads, c.head_dim)
     ids, positions, rows = torch.full((batch,), c.pad_id), torch.full((batch,), keys - 1), torch.arange(batch)
 
     def run(fast: bool) -> Callable[[], object]:
@@ -101,10 +112,7 @@ def main() -> None:
     for name, heads in HEADS.items():
         for batch, keys in attention_shapes:
             plain, fast = attention_alone(heads, batch, keys, steps)
-            print(f"{name + f' b{batch} x {keys} keys':<28} {1e6 * plain:>9.0f} {1e6 * fast:>10.0f} {plain / fast:>9.2f}")
-            key = f"attention_{name}_b{batch}_k{keys}"
-            figures |= {f"{key}_plain_us": round(1e6 * plain, 1), f"{key}_kernel_us": round(1e6 * fast, 1)}
-            figures[f"kernel_vs_plain_{key}"] = round(plain / fast, 3)
+            record(figures, f"{name} b{batch} x {keys} keys", f"attention_{name}_b{batch}_k{keys}", plain, fast, "us")
     model, _ = load_checkpoint(args.generator)
     assert isinstance(model, Generator), f"{args.generator} is not a decoder-only model"
     if packing_available():
@@ -112,10 +120,7 @@ def main() -> None:
     print(f"\n{'decode step':<28} {'plain ms':>9} {'kernel ms':>10} {'speed-up':>9}")
     for batch, keys in step_shapes:
         plain, fast = decode_step(model, batch, keys, steps)
-        print(f"{f'b{batch} x {keys} keys':<28} {1e3 * plain:>9.1f} {1e3 * fast:>10.1f} {plain / fast:>9.2f}")
-        key = f"step_b{batch}_k{keys}"
-        figures |= {f"{key}_plain_ms": round(1e3 * plain, 2), f"{key}_kernel_ms": round(1e3 * fast, 2)}
-        figures[f"kernel_vs_plain_{key}"] = round(plain / fast, 3)
+        record(figures, f"b{batch} x {keys} keys", f"step_b{batch}_k{keys}", plain, fast, "ms")
     if args.json:
         print(json.dumps(figures))
 
