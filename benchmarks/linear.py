@@ -1,34 +1,44 @@
-"""The linear layers of a decode step, plain (torch's default CPU GEMM) against PackedLinear
-(model/packed_linear.py: MKL on the transposed weight for a single row, oneDNN with pre-packed
-weights above), side by side at each batch size.
+"""The linear layers of a decode step: plain (torch's default CPU GEMM, MKL), oneDNN with pre-packed
+weights, and the C panel kernel (model/packed_linear.py picks between the last two by rows), side
+by side at each batch size.
 
-    python -m benchmarks.linear [--threads 1] [--json] [--quick]
+    python -m benchmarks.linear [--shapes generator|smollm2] [--threads 1] [--json] [--quick]
 
-Runs the generator's 36 linear layers (6 layers x q, k, v, out, fc1, fc2: d_model 256, d_ff 1024)
-and the translator's output projection (8000 x 256) for 1 to 256 rows, the two paths taking turns
-on the same inputs, best of 3; prints milliseconds per pass and the speedup (plain / packed).
-With --json the last line is one object: packed_speedup_<rows>, projection_speedup_<rows>.
---quick (rows 1 and 16, 10 passes, best of 1) checks the script.
+--shapes generator (the default): the shipped generator's 36 linear layers (6 layers x q, k, v,
+out, fc1, fc2: d_model 256, d_ff 1024; 9 MB, in the L3 cache) and the translator's output
+projection (8000 x 256). --shapes smollm2: SmolLM2-135M's 120 layer products (30 layers x
+queries-keys-values 576 -> 960, out 576 -> 576, gate-up 576 -> 3072, down 1536 -> 576; 425 MB, read
+from memory at every pass, as a decode step reads them) and its output projection (49152 x 576).
+The paths take turns on the same inputs, best of 3; prints milliseconds per pass of the layers and
+the speed-ups. With --json the last line is one object: packed_speedup_<rows> and
+projection_speedup_<rows> (PackedLinear, as the engine runs it, over plain) and
+panel_vs_onednn_<rows> (the panel kernel over oneDNN, the layers; where the kernel is built and
+--threads is 1). --quick (rows 1 and 16, 2 passes, best of 1) checks the script.
 """
 
 import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from model.packed_linear import PackedLinear
+from model.packed_linear import MAX_PANEL_ROWS, PackedLinear, packed_product, panel_product, panels_apply
 
-ROWS = (1, 2, 4, 16, 64, 256)
+ROWS = (1, 2, 4, 8, 16, 64, 256)
 QUICK_ROWS = (1, 16)
-LAYER_SHAPES = [(256, 256)] * 4 + [(1024, 256), (256, 1024)]  # (out, in): q, k, v, out, fc1, fc2
+# (out, in) of each layer's products, the number of layers, and the output projection (vocab, d_model).
+SHAPES = {
+    "generator": ([(256, 256)] * 4 + [(1024, 256), (256, 1024)], 6, (8000, 256)),
+    "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30, (49152, 576)),
+}
 
 
 def best_ms(run: Callable[[], object], passes: int, repeats: int) -> float:
-    """The best of repeats timings of passes runs, in milliseconds per run, after 5 untimed runs."""
-    for _ in range(5):
+    """The best of repeats timings of passes runs, in milliseconds per run, after 2 untimed runs."""
+    for _ in range(2):
         run()
     best = float("inf")
     for _ in range(repeats):
@@ -39,37 +49,60 @@ def best_ms(run: Callable[[], object], passes: int, repeats: int) -> float:
     return best
 
 
+def by_onednn(layer: PackedLinear, x: Tensor) -> Tensor:
+    """The layer's product by oneDNN, whatever the rows."""
+    return packed_product(x, layer.packed_weight, None, layer.out_features)
+
+
+def by_panels(layer: PackedLinear, x: Tensor) -> Tensor:
+    """The layer's product by the C panel kernel, whatever the rows."""
+    return panel_product(x, layer.panels, None, layer.out_features)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="generator")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="rows 1 and 16, 10 passes, best of 1: to check the script")
+    parser.add_argument("--quick", action="store_true", help="rows 1 and 16, 2 passes, best of 1: to check the script")
     args = parser.parse_args()
-    rows_run, passes, repeats = (QUICK_ROWS, 10, 1) if args.quick else (ROWS, 50, 3)
+    layer_shapes, n_layers, (vocab, d_model) = SHAPES[args.shapes]
+    rows_run, repeats = (QUICK_ROWS, 1) if args.quick else (ROWS, 3)
+    passes = 2 if args.quick else (50 if args.shapes == "generator" else 5)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    plain = [nn.Linear(n_in, n_out) for _ in range(6) for n_out, n_in in LAYER_SHAPES]
-    packed = [PackedLinear(layer.weight, layer.bias) for layer in plain]
-    embedding = torch.randn(8000, 256) * 0.02
+    shapes = layer_shapes * n_layers
+    plain = [nn.Linear(n_in, n_out, bias=False) for n_out, n_in in shapes]
+    packed = [PackedLinear(layer.weight, None) for layer in plain]
+    embedding = torch.randn(vocab, d_model) * 0.02
     projection = PackedLinear(embedding, None)
-    results: dict[str, float] = {"threads": float(args.threads)}
-    print(f"{'rows':>5} {'plain ms':>9} {'packed ms':>10} {'speedup':>8} {'projection speedup':>19}")
+    with_panels = panels_apply()
+    results: dict[str, object] = {"threads": args.threads, "shapes": args.shapes, "panel_kernel": with_panels}
+    print(f"{'rows':>5} {'plain ms':>9} {'oneDNN ms':>10} {'panels ms':>10} {'packed speed-up':>16} {'projection speed-up':>20}")
     with torch.inference_mode():
         for rows in rows_run:
-            inputs = {n: torch.randn(rows, n) for n in (256, 1024)}
+            inputs = {n_in: torch.randn(rows, n_in) for _, n_in in layer_shapes}
 
-            def run_all(layers: Sequence[nn.Module], inputs: dict[int, torch.Tensor] = inputs) -> None:
-                for layer, (_, n_in) in zip(layers, LAYER_SHAPES * 6, strict=True):
-                    layer(inputs[n_in])
+            def run_all(multiply: Callable[[Any, Tensor], object], layers: Sequence[nn.Module]) -> None:
+                for layer, (_, n_in) in zip(layers, shapes, strict=True):
+                    multiply(layer, inputs[n_in])  # noqa: B023
 
-            plain_ms = best_ms(lambda: run_all(plain), passes, repeats)
-            packed_ms = best_ms(lambda: run_all(packed), passes, repeats)
-            h = inputs[256]
+            plain_ms = best_ms(lambda: run_all(lambda layer, x: layer(x), plain), passes, repeats)
+            onednn_ms = best_ms(lambda: run_all(by_onednn, packed), passes, repeats)
+            packed_ms = onednn_ms  # what PackedLinear runs: the panels where they apply
+            panels = "-"
+            if with_panels and rows <= MAX_PANEL_ROWS:
+                packed_ms = best_ms(lambda: run_all(by_panels, packed), passes, repeats)
+                results[f"panel_vs_onednn_{rows}"] = round(onednn_ms / packed_ms, 2)
+                panels = f"{packed_ms:.3f}"
+            h = inputs[d_model]
             tied_ms = best_ms(lambda: h @ embedding.T, passes, repeats)  # noqa: B023
             projection_ms = best_ms(lambda: projection(h), passes, repeats)  # noqa: B023
             results[f"packed_speedup_{rows}"] = round(plain_ms / packed_ms, 2)
             results[f"projection_speedup_{rows}"] = round(tied_ms / projection_ms, 2)
-            print(f"{rows:>5} {plain_ms:>9.3f} {packed_ms:>10.3f} {plain_ms / packed_ms:>8.2f} {tied_ms / projection_ms:>19.2f}")
+            print(
+                f"{rows:>5} {plain_ms:>9.3f} {onednn_ms:>10.3f} {panels:>10} {plain_ms / packed_ms:>16.2f} {tied_ms / projection_ms:>20.2f}"
+            )
     if args.json:
         print(json.dumps(results))
 

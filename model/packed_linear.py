@@ -1,36 +1,45 @@
-"""Float32 linear layers for CPU inference with their weights pre-packed for oneDNN.
+"""Float32 linear layers for CPU inference with their weights laid out for the CPU's kernels.
 
-torch's default CPU GEMM (MKL) takes a plain (out, in) weight and, on this project's AMD EPYC
-machine, runs a generic code path; oneDNN, given the weight once in its own blocked layout,
-multiplies the many-row batches of a decode step faster: 1.1-1.5x for the layers and 1.3-2.9x for
-the 8000-word output projection, at 4 to 256 rows, 1 thread (`python -m benchmarks.linear`).
-A single row (a step of one sequence: one user's latency) reads every weight once for little
-arithmetic; there MKL is fastest given the weight transposed, (in, out) contiguous: generation at
-batch 1 runs 1.08-1.14x faster than with the (out, in) layout, and at 2 rows it makes no
-difference. So a layer keeps its weight twice, transposed for MKL and packed for oneDNN, and
-picks by rows.
+A decode step multiplies a few rows (one per running sequence) by each weight: it reads every
+weight once for little arithmetic, so its speed is the memory's. torch's CPU GEMMs reach about half
+of it there on this project's AMD EPYC machine (MKL 7-18 GB/s at 1 row, oneDNN 8-15 GB/s at 2 to 16,
+where a plain sum over the same bytes makes 21-22 GB/s). This project's C kernel
+(model/csrc/panel_linear.c) reads the weight in panels of 64 output columns, (in, 64) contiguous,
+at 16-25 GB/s for 1 to 4 rows, and takes up to MAX_PANEL_ROWS rows. More rows are many-row GEMMs:
+up to MAX_PACKED_ROWS oneDNN multiplies them faster given the weight once in its own blocked
+layout (1.1-1.5x MKL at 17-256 rows, 1 thread: `python -m benchmarks.linear`), and beyond (a long
+prompt chunk) and with gradients torch multiplies the panels, one batched GEMM. So a layer keeps
+its weight twice, in panels and packed for oneDNN, and picks by rows.
 
-Inference only: the packed copy is made once and never updated, so training and anything that
-needs gradients takes the MKL path. The GEMMs sum in different orders, so outputs differ from
-nn.Linear's by float32 rounding (tests/model/test_packed_linear.py bounds it).
+The panel kernel is single-threaded: it runs where torch has one thread (a replica's default) and
+the CPU kernels are built (model/cpu_kernels.py); elsewhere oneDNN takes its rows too. Inference
+only: the copies are made once and never updated, so training keeps nn.Linear. The sums run in
+different orders, so outputs differ from nn.Linear's by float32 rounding
+(tests/model/test_packed_linear.py bounds it).
 """
+
+import ctypes
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model import cpu_kernels
 from model.generator import Generator
 from model.layers import replace_linear_layers
 from model.translator import Translator
 
+PANEL = 64  # output columns per panel (model/csrc/panel_linear.c)
+# Up to this many rows the panel kernel runs (where it is built, torch on one thread).
+MAX_PANEL_ROWS = 16
 # oneDNN picks its blocked layout for this many rows: the engine's typical decode batch.
 PACKED_FOR_ROWS = 64
-# Up to this many rows MKL on the transposed weight is faster than oneDNN's packed path.
-MAX_MKL_ROWS = 1
 # oneDNN keeps a compiled kernel, with memory of its own, for every number of rows it has seen
 # (hundreds of MB for a replica that sees every count up to 256), so the packed path runs a few
 # row counts only: inputs are padded up to the next of 2, 4, 8, 16, then multiples of 16, and
-# more than MAX_PACKED_ROWS rows (a long prefill) take the plain path.
+# more than MAX_PACKED_ROWS rows (a long prefill) take the panels' batched GEMM.
 MAX_PACKED_ROWS = 256
 
 
@@ -44,37 +53,99 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T + b with W (out, in) kept twice: transposed, (in, out) contiguous, for MKL (up to
-    MAX_MKL_ROWS rows, more than MAX_PACKED_ROWS, or gradients), and packed for oneDNN (the rows
-    between, inference). Both are copies: the source weight is not kept."""
+@functools.cache
+def panel_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C kernel panel_linear, or None (the CPU kernels are off: model/cpu_kernels.py)."""
+    library = cpu_kernels.library()
+    if library is None:
+        return None
+    function = library.panel_linear
+    function.restype = None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer, pointer, pointer, pointer, size, size, size]
+    return function
 
-    weight_t: Tensor
+
+def to_panels(weight: Tensor) -> Tensor:
+    """W (out, in) as panels (ceil(out / PANEL), in, PANEL): panel p, row k holds W[p PANEL + c, k]
+    for c < PANEL, zeros past out."""
+    out_features, in_features = weight.shape
+    padded = -(-out_features // PANEL) * PANEL
+    weight = F.pad(weight.detach(), (0, 0, 0, padded - out_features))  # (padded, in)
+    return weight.view(padded // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W (out, in) kept twice: in panels (the C kernel up to MAX_PANEL_ROWS rows,
+    a batched GEMM beyond MAX_PACKED_ROWS or with gradients) and packed for oneDNN (the rows between,
+    inference). Both are copies: the source weight is not kept."""
+
+    panels: Tensor
     packed_weight: Tensor
     bias: Tensor | None
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
-        self.register_buffer("weight_t", weight.detach().t().contiguous())  # (in, out)
+        self.register_buffer("panels", to_panels(weight))  # (P, in, PANEL)
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS))
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @property
     def weight(self) -> Tensor:
-        """W (out, in), a view of the transposed copy."""
-        return self.weight_t.t()
+        """W (out, in), rebuilt from the panels (a copy)."""
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., in) float32. Returns (..., out)."""
         n = x.numel() // self.in_features
         rows = x.reshape(n, self.in_features)  # (N, in)
-        if n <= MAX_MKL_ROWS or n > MAX_PACKED_ROWS or torch.is_grad_enabled():
-            y = rows @ self.weight_t if self.bias is None else torch.addmm(self.bias, rows, self.weight_t)  # (N, out)
-            return y.view(*x.shape[:-1], self.out_features)
-        # Under torch.compile the packed product is one opaque operation (inductor cannot lower it).
-        product = torch.ops.transformer_serving.packed_linear if torch.compiler.is_compiling() else packed_product
-        return product(rows, self.packed_weight, self.bias, self.out_features).view(*x.shape[:-1], self.out_features)
+        if n > MAX_PACKED_ROWS or torch.is_grad_enabled():
+            y = panel_matmul(rows, self.panels, self.bias, self.out_features)
+        elif n <= MAX_PANEL_ROWS and panels_apply():
+            # Under torch.compile the kernel is one opaque operation, as the packed product below.
+            panel = torch.ops.transformer_serving.panel_linear if torch.compiler.is_compiling() else panel_product
+            y = panel(rows, self.panels, self.bias, self.out_features)
+        else:
+            packed = torch.ops.transformer_serving.packed_linear if torch.compiler.is_compiling() else packed_product
+            y = packed(rows, self.packed_weight, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _panels_apply() -> bool:
+    """The panel kernel runs here: it is built and torch has one thread (it has no threads of its own)."""
+    return torch.get_num_threads() == 1 and panel_kernel() is not None
+
+
+# A constant to torch.compile's tracing: the compiled step is made for the threads it runs with.
+panels_apply: Callable[[], bool] = torch.compiler.assume_constant_result(_panels_apply)
+
+
+def panel_matmul(rows: Tensor, panels: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """rows (N, in) times the weight in panels (P, in, PANEL), plus bias, by torch: (N, out_features)."""
+    y = torch.matmul(rows, panels)  # (P, N, PANEL)
+    y = y.transpose(0, 1).reshape(rows.shape[0], -1)[:, :out_features]  # (N, out)
+    return y if bias is None else y + bias
+
+
+def panel_product(rows: Tensor, panels: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """rows (N, in) times the weight in panels (P, in, PANEL), plus bias, by the C kernel: (N, out_features).
+    Requires `panels_apply()`."""
+    kernel = panel_kernel()
+    assert kernel is not None, "panel_product without its kernel (check panels_apply())"
+    rows = rows.contiguous()
+    y = rows.new_empty(rows.shape[0], out_features)
+    bias_pointer = None if bias is None else bias.data_ptr()
+    kernel(rows.data_ptr(), panels.data_ptr(), bias_pointer, y.data_ptr(), rows.shape[0], rows.shape[1], out_features)
+    return y
+
+
+_panel_op = torch.library.custom_op("transformer_serving::panel_linear", panel_product, mutates_args=())
+
+
+@_panel_op.register_fake
+def _(rows: Tensor, panels: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    return rows.new_empty(rows.shape[0], out_features)
 
 
 def packed_product(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:

@@ -2,79 +2,23 @@
 machine's CPU on first use and loaded with ctypes: a decode step's attention reads each sequence's
 keys and values in place in the block pool, once for all the query heads that share them, where
 the plain path (model/kv_cache.py) first copies them out of their blocks and SDPA then reads each
-key head once per query head. The plain path stays where there is no C compiler (the GPU image),
-for other dtypes and devices, and for ALiBi's biased masks."""
+key head once per query head. The plain path stays where the CPU kernels are off (model/cpu_kernels.py:
+no C compiler, as in the GPU image), for other dtypes and devices, and for ALiBi's biased masks."""
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-# -ffast-math lets gcc vectorise expf (glibc's libmvec) and the reductions; it is given to the
-# compile only, not the link, so that the library does not switch the process's floating point
-# to flush denormals (gcc links crtfastmath.o into a -ffast-math link).
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=c11")
-DISABLE_ENV = "TRANSFORMER_SERVING_NO_CPU_KERNELS"  # set (to anything): the plain path only
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: $TRANSFORMER_SERVING_CACHE, else ~/.cache/transformer-serving."""
-    default = Path.home() / ".cache" / "transformer-serving"
-    return Path(os.environ.get("TRANSFORMER_SERVING_CACHE", default))
-
-
-def _cpu_fingerprint() -> str:
-    """This CPU's model and flags (-march=native code may not run on another)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    lines = [line for line in info.splitlines() if line.startswith(("flags", "model name", "Features", "CPU part"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def build(compiler: str, directory: Path) -> Path:
-    """Compiles the kernel with `compiler` into `directory` (once per source, flags and CPU) and
-    returns the shared library's path. Raises subprocess.CalledProcessError if it does not compile."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS).encode() + _cpu_fingerprint().encode()).hexdigest()[:16]
-    library = directory / f"paged_attention-{key}.so"
-    if library.exists():
-        return library
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        obj, built = Path(scratch) / "kernel.o", Path(scratch) / "kernel.so"
-        subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], check=True, capture_output=True)
-        subprocess.run([compiler, "-shared", str(obj), "-o", str(built), "-lm"], check=True, capture_output=True)
-        os.replace(built, library)  # atomic: replicas building at once each install a whole library
-    return library
+from model import cpu_kernels
 
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The loaded kernel, or None (no C compiler, it failed to build, or DISABLE_ENV is set)."""
-    if os.environ.get(DISABLE_ENV) or platform.system() != "Linux":
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.info("no C compiler: paged decode attention runs through SDPA")
-        return None
-    try:
-        library = ctypes.CDLL(str(build(compiler, cache_dir())))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else str(error)
-        logger.warning("the CPU paged attention kernel did not build (%s): SDPA instead", detail.strip()[-500:])
+    """The loaded kernel, or None (the CPU kernels are off: model/cpu_kernels.py)."""
+    library = cpu_kernels.library()
+    if library is None:
         return None
     function = library.paged_decode_attention
     function.restype = ctypes.c_int

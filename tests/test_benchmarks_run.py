@@ -136,6 +136,7 @@ def test_structured_quick(tmp_path: Path) -> None:
 def test_linear_quick() -> None:
     figures = printed_json(run("benchmarks.linear", "--quick", "--json"))
     assert all(figures[f"{kind}_speedup_{rows}"] > 0 for kind in ("packed", "projection") for rows in (1, 16))
+    assert figures["panel_kernel"] is True and all(figures[f"panel_vs_onednn_{rows}"] > 0 for rows in (1, 16))
 
 
 def test_compiled_decode_quick_times_both_graphs() -> None:

@@ -1,5 +1,11 @@
-"""PackedLinear (oneDNN, pre-packed weights) computes what nn.Linear computes, up to float32
-rounding, and on the shipped checkpoints the packed models decode the same tokens as the plain ones."""
+"""PackedLinear (the C panel kernel for a few rows, oneDNN's pre-packed weights for more, torch's
+batched GEMM over the panels past those) computes what nn.Linear computes, up to float32 rounding,
+and on the shipped checkpoints the packed models decode the same tokens as the plain ones. The test
+session runs torch on one thread (tests/conftest.py), so a few rows take the panel kernel unless a
+test sets more threads."""
+
+import shutil
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,7 +17,15 @@ from decoding.translate import greedy_translate
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from loading.tokenizer import EOS_ID
 from model.generator import Generator
-from model.packed_linear import MAX_PACKED_ROWS, PackedLinear, pack_linear_layers, packing_available, padded_rows
+from model.packed_linear import (
+    MAX_PACKED_ROWS,
+    MAX_PANEL_ROWS,
+    PackedLinear,
+    pack_linear_layers,
+    packing_available,
+    padded_rows,
+    panels_apply,
+)
 from model.positions import apply_rope, rope_tables
 from model.translator import Translator
 from training.data import SHARED_DATA, pad, read_lines
@@ -19,16 +33,50 @@ from training.data import SHARED_DATA, pad, read_lines
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
 
-@pytest.mark.parametrize("shape", [(1, 256), (2, 256), (3, 256), (17, 256), (64, 256), (300, 256), (2, 5, 256), (1, 1, 256)])
-def test_packed_linear_equals_the_plain_layer(shape: tuple[int, ...]) -> None:
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """torch on two threads for one test: the panel kernel (single-threaded) steps aside for oneDNN."""
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(1)
+
+
+def test_the_panel_kernel_runs_on_one_thread_where_there_is_a_c_compiler(two_threads: None) -> None:
+    """CI and this project's machines have one: the equality tests below must not be comparing
+    oneDNN with itself."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    assert not panels_apply()
+    torch.set_num_threads(1)
+    assert panels_apply()
+
+
+SHAPES = [(1, 256), (2, 256), (3, 256), (5, 256), (16, 256), (17, 256), (64, 256), (300, 256), (2, 5, 256), (1, 1, 256)]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("out_features", [1024, 1000, 40])  # whole panels of 64 columns, a part panel, one part panel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_packed_linear_equals_the_plain_layer(shape: tuple[int, ...], out_features: int, bias: bool) -> None:
     torch.manual_seed(0)
-    plain = nn.Linear(256, 1024)
+    plain = nn.Linear(256, out_features, bias=bias)
     packed = PackedLinear(plain.weight, plain.bias)
     x = torch.randn(*shape)
     with torch.inference_mode():
         expected, got = plain(x), packed(x)
-    assert got.shape == expected.shape == (*shape[:-1], 1024)
+    assert got.shape == expected.shape == (*shape[:-1], out_features)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(packed.weight, plain.weight)
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_PANEL_ROWS])
+def test_on_two_threads_onednn_takes_the_few_rows_and_equals_the_plain_layer(rows: int, two_threads: None) -> None:
+    torch.manual_seed(0)
+    plain = nn.Linear(256, 1000)
+    packed = PackedLinear(plain.weight, plain.bias)
+    x = torch.randn(rows, 256)
+    with torch.inference_mode():
+        assert torch.allclose(packed(x), plain(x), atol=1e-5, rtol=1e-5)
 
 
 def test_the_packed_path_runs_few_row_counts() -> None:
@@ -38,8 +86,8 @@ def test_the_packed_path_runs_few_row_counts() -> None:
     assert all(n <= padded_rows(n) < n + 16 for n in range(2, MAX_PACKED_ROWS + 1))
 
 
-def test_with_gradients_the_mkl_path_computes_them() -> None:
-    # oneDNN's packed product has no gradient: with autograd on, 8 rows take the MKL path.
+def test_with_gradients_the_batched_gemm_computes_them() -> None:
+    # Neither kernel has a gradient: with autograd on, 8 rows take torch's GEMM over the panels.
     torch.manual_seed(0)
     plain = nn.Linear(256, 256)
     packed = PackedLinear(plain.weight, plain.bias)
@@ -64,7 +112,7 @@ def test_packing_replaces_every_linear_and_projects_with_the_embedding() -> None
     assert torch.equal(model.output_projection.weight, model.embed.weight)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 300])  # MKL, padded oneDNN, oneDNN, past the packed path
+@pytest.mark.parametrize("rows", [1, 5, 16, 300])  # the panel kernel at 1, 5 and 16 rows; past the packed path
 def test_packed_queries_keys_and_values_equal_three_separate_products(rows: int) -> None:
     plain, _ = load_checkpoint(DEFAULT_TRANSLATOR)
     model, _ = load_checkpoint(DEFAULT_TRANSLATOR)

@@ -1,11 +1,9 @@
 """The CPU paged decode attention kernel (model/paged_attention_cpu.py) against the plain path it
 replaces (the blocks gathered, then SDPA): same attention, same pool writes, for grouped and plain
-heads, ragged lengths and scattered blocks; and how it is built and turned off. Also the CPU's
+heads, ragged lengths and scattered blocks (how it is built: tests/model/test_cpu_kernels.py). Also the CPU's
 two-part attention of a prompt chunk after a cached prefix against one masked SDPA."""
 
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -55,27 +53,6 @@ def test_lengths_past_the_rows_blocks_are_refused_not_read() -> None:
     pool = torch.zeros(4, 16, 2, 8)
     with pytest.raises(ValueError, match="past the rows' 2 blocks of 16"):
         paged_attention_cpu.paged_decode_attention(torch.zeros(1, 2, 8), pool, pool, torch.tensor([[1, 2]]), torch.tensor([33]))
-
-
-def test_it_is_built_once_per_source_and_cpu(tmp_path: Path) -> None:
-    compiler = shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    library = paged_attention_cpu.build(compiler, tmp_path)
-    built_at = library.stat().st_mtime_ns
-    assert paged_attention_cpu.build(compiler, tmp_path) == library and library.stat().st_mtime_ns == built_at
-    assert [p.name for p in tmp_path.iterdir()] == [library.name], "scratch files left behind"
-
-
-def test_a_compiler_that_fails_raises_and_installs_nothing(tmp_path: Path) -> None:
-    with pytest.raises(subprocess.CalledProcessError):
-        paged_attention_cpu.build("false", tmp_path)
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_the_environment_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(paged_attention_cpu.DISABLE_ENV, "1")
-    assert paged_attention_cpu.kernel.__wrapped__() is None
 
 
 @pytest.mark.parametrize(("n_heads", "n_kv_heads"), [(9, 3), (4, 4)])

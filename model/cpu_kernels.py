@@ -1,0 +1,79 @@
+"""This project's C kernels for the CPU (model/csrc/*.c), compiled together for this machine's CPU
+on first use and loaded with ctypes: the paged decode attention (model/paged_attention_cpu.py) and
+the few-row linear layers (model/packed_linear.py). Where there is no C compiler (the GPU image),
+on other systems than Linux, or with DISABLE_ENV set, `library()` is None and their callers take
+torch's paths."""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
+# -ffast-math lets gcc vectorise expf (glibc's libmvec) and the reductions; it is given to the
+# compile only, not the link, so that the library does not switch the process's floating point
+# to flush denormals (gcc links crtfastmath.o into a -ffast-math link).
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=gnu11")
+DISABLE_ENV = "TRANSFORMER_SERVING_NO_CPU_KERNELS"  # set (to anything): torch's paths only
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: $TRANSFORMER_SERVING_CACHE, else ~/.cache/transformer-serving."""
+    default = Path.home() / ".cache" / "transformer-serving"
+    return Path(os.environ.get("TRANSFORMER_SERVING_CACHE", default))
+
+
+def _cpu_fingerprint() -> str:
+    """This CPU's model and flags (-march=native code may not run on another)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [line for line in info.splitlines() if line.startswith(("flags", "model name", "Features", "CPU part"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def build(compiler: str, directory: Path) -> Path:
+    """Compiles the kernels with `compiler` into one shared library in `directory` (once per
+    sources, flags and CPU) and returns its path. Raises subprocess.CalledProcessError if they do
+    not compile."""
+    digest = hashlib.sha256(" ".join(COMPILE_FLAGS).encode() + _cpu_fingerprint().encode())
+    for source in SOURCES:
+        digest.update(source.name.encode() + source.read_bytes())
+    library = directory / f"cpu-kernels-{digest.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        for source, obj in zip(SOURCES, objects, strict=True):
+            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)], check=True, capture_output=True)
+        built = Path(scratch) / "kernels.so"
+        subprocess.run([compiler, "-shared", *map(str, objects), "-o", str(built), "-lm"], check=True, capture_output=True)
+        os.replace(built, library)  # atomic: replicas building at once each install a whole library
+    return library
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (no C compiler, they failed to build, or DISABLE_ENV is set)."""
+    if os.environ.get(DISABLE_ENV) or platform.system() != "Linux":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.info("no C compiler: the CPU kernels are off, torch's paths run instead")
+        return None
+    try:
+        return ctypes.CDLL(str(build(compiler, cache_dir())))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else str(error)
+        logger.warning("the CPU kernels did not build (%s): torch's paths instead", detail.strip()[-500:])
+        return None

@@ -1,0 +1,39 @@
+"""How the C kernels (model/cpu_kernels.py) are built, cached and turned off."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from model import cpu_kernels
+
+
+def test_it_is_built_once_per_source_and_cpu(tmp_path: Path) -> None:
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = cpu_kernels.build(compiler, tmp_path)
+    built_at = library.stat().st_mtime_ns
+    assert cpu_kernels.build(compiler, tmp_path) == library and library.stat().st_mtime_ns == built_at
+    assert [p.name for p in tmp_path.iterdir()] == [library.name], "scratch files left behind"
+
+
+def test_every_source_is_in_the_library(tmp_path: Path) -> None:
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    symbols = subprocess.run(["nm", "-D", str(cpu_kernels.build(compiler, tmp_path))], check=True, capture_output=True, text=True).stdout
+    assert {source.stem for source in cpu_kernels.SOURCES} == {"paged_attention", "panel_linear"}
+    assert " T paged_decode_attention" in symbols and " T panel_linear" in symbols
+
+
+def test_a_compiler_that_fails_raises_and_installs_nothing(tmp_path: Path) -> None:
+    with pytest.raises(subprocess.CalledProcessError):
+        cpu_kernels.build("false", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_environment_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    assert cpu_kernels.library.__wrapped__() is None
