@@ -6,10 +6,10 @@ of it there on this project's AMD EPYC machine (MKL 7-18 GB/s at 1 row, oneDNN 8
 where a plain sum over the same bytes makes 21-22 GB/s). This project's C kernel
 (model/csrc/panel_linear.c) reads the weight in panels of 64 output columns, (in, 64) contiguous,
 at 16-25 GB/s for 1 to 4 rows, and takes up to MAX_PANEL_ROWS rows. More rows are many-row GEMMs:
-up to MAX_PACKED_ROWS oneDNN multiplies them faster given the weight once in its own blocked
-layout (1.1-1.5x MKL at 17-256 rows, 1 thread: `python -m benchmarks.linear`), and beyond (a long
-prompt chunk) and with gradients torch multiplies the panels, one batched GEMM. So a layer keeps
-its weight twice, in panels and packed for oneDNN, and picks by rows.
+oneDNN multiplies them faster given the weight once in its own blocked layout (1.1-1.5x MKL at
+17-256 rows, 1 thread: `python -m benchmarks.linear`), a prompt chunk of more than MAX_PACKED_ROWS
+in pieces of that many; with gradients torch multiplies the panels, one batched GEMM. So a layer
+keeps its weight twice, in panels and packed for oneDNN, and picks by rows.
 
 The panel kernel is single-threaded: it runs where torch has one thread (a replica's default) and
 the CPU kernels are built (model/cpu_kernels.py); elsewhere oneDNN takes its rows too. Inference
@@ -39,7 +39,7 @@ PACKED_FOR_ROWS = 64
 # oneDNN keeps a compiled kernel, with memory of its own, for every number of rows it has seen
 # (hundreds of MB for a replica that sees every count up to 256), so the packed path runs a few
 # row counts only: inputs are padded up to the next of 2, 4, 8, 16, then multiples of 16, and
-# more than MAX_PACKED_ROWS rows (a long prefill) take the panels' batched GEMM.
+# more than MAX_PACKED_ROWS rows (a long prompt chunk) go in pieces of MAX_PACKED_ROWS.
 MAX_PACKED_ROWS = 256
 
 
@@ -76,9 +76,9 @@ def to_panels(weight: Tensor) -> Tensor:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W (out, in) kept twice: in panels (the C kernel up to MAX_PANEL_ROWS rows,
-    a batched GEMM beyond MAX_PACKED_ROWS or with gradients) and packed for oneDNN (the rows between,
-    inference). Both are copies: the source weight is not kept."""
+    """y = x W^T + b with W (out, in) kept twice: in panels (the C kernel up to MAX_PANEL_ROWS rows; a
+    batched GEMM with gradients) and packed for oneDNN (more rows, inference). Both are copies: the
+    source weight is not kept."""
 
     panels: Tensor
     packed_weight: Tensor
@@ -100,7 +100,7 @@ class PackedLinear(nn.Module):
         """x: (..., in) float32. Returns (..., out)."""
         n = x.numel() // self.in_features
         rows = x.reshape(n, self.in_features)  # (N, in)
-        if n > MAX_PACKED_ROWS or torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             y = panel_matmul(rows, self.panels, self.bias, self.out_features)
         elif n <= MAX_PANEL_ROWS and panels_apply():
             # Under torch.compile the kernel is one opaque operation, as the packed product below.
@@ -149,7 +149,11 @@ def _(rows: Tensor, panels: Tensor, bias: Tensor | None, out_features: int) -> T
 
 
 def packed_product(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    """rows (N, in) times a weight packed by oneDNN (PackedLinear.packed_weight), plus bias: (N, out_features)."""
+    """rows (N, in) times a weight packed by oneDNN (PackedLinear.packed_weight), plus bias: (N, out_features).
+    More than MAX_PACKED_ROWS rows go in pieces of that many, so oneDNN sees its few row counts only."""
+    if rows.shape[0] > MAX_PACKED_ROWS:
+        pieces = rows.split(MAX_PACKED_ROWS)
+        return torch.cat([packed_product(piece, packed_weight, bias, out_features) for piece in pieces])  # (N, out)
     n = rows.shape[0]
     padded = padded_rows(n)
     if padded > n:

@@ -51,7 +51,7 @@ def test_the_panel_kernel_runs_on_one_thread_where_there_is_a_c_compiler(two_thr
     assert panels_apply()
 
 
-SHAPES = [(1, 256), (2, 256), (3, 256), (5, 256), (16, 256), (17, 256), (64, 256), (300, 256), (2, 5, 256), (1, 1, 256)]
+SHAPES = [(1, 256), (2, 256), (3, 256), (5, 256), (16, 256), (17, 256), (64, 256), (300, 256), (600, 256), (2, 5, 256), (1, 1, 256)]
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -112,7 +112,7 @@ def test_packing_replaces_every_linear_and_projects_with_the_embedding() -> None
     assert torch.equal(model.output_projection.weight, model.embed.weight)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 300])  # the panel kernel at 1, 5 and 16 rows; past the packed path
+@pytest.mark.parametrize("rows", [1, 5, 16, 300])  # the panel kernel at 1, 5 and 16 rows; oneDNN in two pieces
 def test_packed_queries_keys_and_values_equal_three_separate_products(rows: int) -> None:
     plain, _ = load_checkpoint(DEFAULT_TRANSLATOR)
     model, _ = load_checkpoint(DEFAULT_TRANSLATOR)
