@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from model.packed_linear import MAX_PANEL_ROWS, PackedLinear, packed_product, panel_product, panels_apply
 
-ROWS = (1, 2, 4, 8, 16, 64, 256)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 QUICK_ROWS = (1, 16)
 # (out, in) of each layer's products, the number of layers, and the output projection (vocab, d_model).
 SHAPES = {

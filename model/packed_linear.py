@@ -4,12 +4,12 @@ A decode step multiplies a few rows (one per running sequence) by each weight: i
 weight once for little arithmetic, so its speed is the memory's. torch's CPU GEMMs reach about half
 of it there on this project's AMD EPYC machine (MKL 7-18 GB/s at 1 row, oneDNN 8-15 GB/s at 2 to 16,
 where a plain sum over the same bytes makes 21-22 GB/s). This project's C kernel
-(model/csrc/panel_linear.c) reads the weight in panels of 64 output columns, (in, 64) contiguous,
-at 16-25 GB/s for 1 to 4 rows, and takes up to MAX_PANEL_ROWS rows. More rows are many-row GEMMs:
+(model/csrc/panel_linear.c) reads the weight in panels of 32 output columns, (in, 32) contiguous,
+at 19-23 GB/s for 1 to 8 rows, and takes up to MAX_PANEL_ROWS rows. More rows are many-row GEMMs:
 oneDNN multiplies them faster given the weight once in its own blocked layout (1.1-1.5x MKL at
-17-256 rows, 1 thread: `python -m benchmarks.linear`), a prompt chunk of more than MAX_PACKED_ROWS
-in pieces of that many; with gradients torch multiplies the panels, one batched GEMM. So a layer
-keeps its weight twice, in panels and packed for oneDNN, and picks by rows.
+17-256 rows, 1 thread: `python -m benchmarks.linear`), a prompt chunk of more than
+MAX_PACKED_ROWS in pieces of that many; with gradients torch multiplies the panels, one batched
+GEMM. So a layer keeps its weight twice, in panels and packed for oneDNN, and picks by rows.
 
 The panel kernel is single-threaded: it runs where torch has one thread (a replica's default) and
 the CPU kernels are built (model/cpu_kernels.py); elsewhere oneDNN takes its rows too. Inference
@@ -31,9 +31,9 @@ from model.generator import Generator
 from model.layers import replace_linear_layers
 from model.translator import Translator
 
-PANEL = 64  # output columns per panel (model/csrc/panel_linear.c)
+PANEL = 32  # output columns per panel (model/csrc/panel_linear.c)
 # Up to this many rows the panel kernel runs (where it is built, torch on one thread).
-MAX_PANEL_ROWS = 16
+MAX_PANEL_ROWS = 32
 # oneDNN picks its blocked layout for this many rows: the engine's typical decode batch.
 PACKED_FOR_ROWS = 64
 # oneDNN keeps a compiled kernel, with memory of its own, for every number of rows it has seen

@@ -1,16 +1,17 @@
-/* Linear layers of a few rows on the CPU, float32: y = x W^T + b for the 1 to 16 rows of a decode
+/* Linear layers of a few rows on the CPU, float32: y = x W^T + b for the 1 to 32 rows of a decode
  * step, reading the weight once, at memory speed, from a panel layout: W (out, in) cut into panels
- * of PANEL output columns, each stored (in, PANEL) contiguous, the last zero-padded. A panel's 64
- * columns are 4 vectors of 16 floats; 4 rows at a time accumulate 16 vectors in registers, so the
- * panel (147 KB for in = 576) is read from memory for the first 4 rows and from the L2 cache for
- * the rest. Written with gcc's vector extensions: AVX-512 with -march=native where the CPU has it,
- * AVX2 or NEON otherwise. Built and loaded by model/cpu_kernels.py; used by model/packed_linear.py. */
+ * of PANEL output columns, each stored (in, PANEL) contiguous, the last zero-padded. A panel's 32
+ * columns are 2 vectors of 16 floats; up to 8 rows at a time accumulate 16 vectors in registers,
+ * so at 8 rows each weight read from memory feeds as many multiply-adds as the memory's speed
+ * allows, and rows past 8 read the panel (74 KB for in = 576) again from the L2 cache. Written with
+ * gcc's vector extensions: AVX-512 with -march=native where the CPU has it, AVX2 or NEON otherwise.
+ * Built and loaded by model/cpu_kernels.py; used by model/packed_linear.py. */
 #include <stdint.h>
 #include <string.h>
 
-#define PANEL 64
+#define PANEL 32
 #define LANES 16
-#define ROW_GROUP 4
+#define ROW_GROUP 8
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
@@ -23,14 +24,11 @@ static inline __attribute__((always_inline)) void panel_rows(int R, const float 
         for (int j = 0; j < PANEL / LANES; j++) acc[r][j] = (vec){0};
     const float *w = panel;
     for (int64_t k = 0; k < in; k++, w += PANEL) {
-        const vec w0 = *(const unaligned_vec *)w, w1 = *(const unaligned_vec *)(w + LANES),
-                  w2 = *(const unaligned_vec *)(w + 2 * LANES), w3 = *(const unaligned_vec *)(w + 3 * LANES);
+        vec weights[PANEL / LANES];
+        for (int j = 0; j < PANEL / LANES; j++) weights[j] = *(const unaligned_vec *)(w + j * LANES);
         for (int r = 0; r < R; r++) {
             const float xk = x[r * in + k];
-            acc[r][0] += xk * w0;
-            acc[r][1] += xk * w1;
-            acc[r][2] += xk * w2;
-            acc[r][3] += xk * w3;
+            for (int j = 0; j < PANEL / LANES; j++) acc[r][j] += xk * weights[j];
         }
     }
     for (int r = 0; r < R; r++) {
@@ -55,7 +53,11 @@ void panel_linear(const float *x, const float *panels, const float *bias, float 
             case 1: panel_rows(1, xr, panel, bias, yr, in, out, column, width); break;
             case 2: panel_rows(2, xr, panel, bias, yr, in, out, column, width); break;
             case 3: panel_rows(3, xr, panel, bias, yr, in, out, column, width); break;
-            default: panel_rows(4, xr, panel, bias, yr, in, out, column, width); break;
+            case 4: panel_rows(4, xr, panel, bias, yr, in, out, column, width); break;
+            case 5: panel_rows(5, xr, panel, bias, yr, in, out, column, width); break;
+            case 6: panel_rows(6, xr, panel, bias, yr, in, out, column, width); break;
+            case 7: panel_rows(7, xr, panel, bias, yr, in, out, column, width); break;
+            default: panel_rows(ROW_GROUP, xr, panel, bias, yr, in, out, column, width); break;
             }
         }
     }

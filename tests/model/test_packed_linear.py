@@ -51,7 +51,8 @@ def test_the_panel_kernel_runs_on_one_thread_where_there_is_a_c_compiler(two_thr
     assert panels_apply()
 
 
-SHAPES = [(1, 256), (2, 256), (3, 256), (5, 256), (16, 256), (17, 256), (64, 256), (300, 256), (600, 256), (2, 5, 256), (1, 1, 256)]
+SHAPES = [(1, 256), (2, 256), (3, 256), (5, 256), (9, 256), (16, 256), (17, 256), (32, 256), (33, 256), (64, 256), (300, 256), (600, 256)]
+SHAPES += [(2, 5, 256), (1, 1, 256)]
 
 
 @pytest.mark.parametrize("bias", [True, False])
