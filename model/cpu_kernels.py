@@ -13,6 +13,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -77,3 +78,14 @@ def library() -> ctypes.CDLL | None:
         detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else str(error)
         logger.warning("the CPU kernels did not build (%s): torch's paths instead", detail.strip()[-500:])
         return None
+
+
+def load_function(name: str, restype: type | None, argtypes: Sequence[type]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The kernels' C function `name` with its result and argument types set, or None where the
+    kernels are off."""
+    loaded = library()
+    if loaded is None:
+        return None
+    function = getattr(loaded, name)
+    function.restype, function.argtypes = restype, list(argtypes)
+    return function

@@ -56,14 +56,8 @@ def packing_available() -> bool:
 @functools.cache
 def panel_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The C kernel panel_linear, or None (the CPU kernels are off: model/cpu_kernels.py)."""
-    library = cpu_kernels.library()
-    if library is None:
-        return None
-    function = library.panel_linear
-    function.restype = None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, pointer, pointer, pointer, size, size, size]
-    return function
+    return cpu_kernels.load_function("panel_linear", None, [pointer, pointer, pointer, pointer, size, size, size])
 
 
 def to_panels(weight: Tensor) -> Tensor:

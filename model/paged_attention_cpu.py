@@ -17,14 +17,9 @@ from model import cpu_kernels
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The loaded kernel, or None (the CPU kernels are off: model/cpu_kernels.py)."""
-    library = cpu_kernels.library()
-    if library is None:
-        return None
-    function = library.paged_decode_attention
-    function.restype = ctypes.c_int
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer, pointer, pointer, pointer, size, pointer, pointer, size, size, size, size, size, ctypes.c_float]
-    return function
+    argtypes = [pointer, pointer, pointer, pointer, size, pointer, pointer, size, size, size, size, size, ctypes.c_float]
+    return cpu_kernels.load_function("paged_decode_attention", ctypes.c_int, argtypes)
 
 
 def applies(pool: Tensor) -> bool:
