@@ -41,7 +41,9 @@ a source's </s>); for a Hugging Face folder, its tokenizer's tokens (MarianToken
 
 Prints a table; with --json the last line is one JSON object: each figure, the ratios
 <work>_vs_<peer> (ours / peer, throughput; <work>_vs_<peer>_by_cpu from the work per CPU second),
-the same for our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py), the BLEU of
+the same for our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py) and, in
+generation, for ours with the compiled decode step (<work>_compiled_vs_<peer>, "ours_compiled":
+service/engine/compiled_decode.py, compiled at every batch size up to the work's), the BLEU of
 each system and the share of each other system's outputs equal to ours (<work>_same_as_ours_<system>);
 "models" names the folders compared (path, kind ours / hugging_face, context, languages).
 Writes peers.json and peers.png into --out: by default benchmarks/results for the shipped
@@ -89,6 +91,7 @@ from training.data import SHARED_DATA, read_lines
 
 SYSTEMS = ["ours", "ours_int8", "transformers", "ct2_float32", "ct2_int8"]
 PEERS = SYSTEMS[2:]
+COMPILED = "ours_compiled"  # generation only: ours with the compiled decode step (EngineConfig.compiled_decode)
 BATCH_SENTENCES = 64
 NEW_TOKENS = 200
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,9 +225,11 @@ def length_batches(sequences: Sequence[Sized], size: int) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
-def offline_engine(checkpoint: Path, n_slots: int, weights: WeightType = torch.float32) -> Engine:
+def offline_engine(checkpoint: Path, n_slots: int, weights: WeightType = torch.float32, compiled_decode: tuple[int, ...] = ()) -> Engine:
     """The service's engine for an offline batch: every request waits its turn (no deadlines)."""
-    config = EngineConfig(n_slots=n_slots, max_waiting=10_000, queue_timeout_s=None, request_timeout_s=None)
+    config = EngineConfig(
+        n_slots=n_slots, max_waiting=10_000, queue_timeout_s=None, request_timeout_s=None, compiled_decode=compiled_decode
+    )
     return Engine.from_checkpoint(checkpoint, config, "cpu", weights)
 
 
@@ -316,7 +321,8 @@ def translation(translator: Compared, sentences: list[str], references: list[str
 def agreement(work: str, outputs: dict[str, Sequence[object]]) -> dict[str, float]:
     """<work>_same_as_ours_<system>: the share of outputs (texts, or texts and token counts) that equal ours (float32)."""
     ours = outputs["ours"]
-    return {f"{work}_same_as_ours_{s}": sum(a == b for a, b in zip(ours, outputs[s], strict=True)) / len(ours) for s in SYSTEMS[1:]}
+    others = [s for s in outputs if s != "ours"]
+    return {f"{work}_same_as_ours_{s}": sum(a == b for a, b in zip(ours, outputs[s], strict=True)) / len(ours) for s in others}
 
 
 def engine_generate(engine: Engine, prompts: list[str]) -> list[Generated]:
@@ -358,7 +364,9 @@ def ct2_generate(
 
 
 def generation(generator: Compared, threads: int, batch_1_prompts: int, repeats: int) -> dict[str, float]:
-    """Generated tokens/s of every system: batch 1 (prompts one after another) and batch 16."""
+    """Generated tokens/s of every system: batch 1 (prompts one after another) and batch 16; ours
+    also with the compiled decode step at every batch size up to the work's (COMPILED; the time its
+    engine took to start, compiling and timing the step, is <work>_start_seconds_ours_compiled)."""
     hf_model = AutoModelForCausalLM.from_pretrained(generator.hf, dtype=torch.float32).eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(generator.hf, padding_side="left")
     if hf_tokenizer.pad_token is None:  # GPT-NeoX tokenizers have none; the attention mask hides it
@@ -372,10 +380,14 @@ def generation(generator: Compared, threads: int, batch_1_prompts: int, repeats:
     for batch_size in [1, 16]:
         work = f"generate_batch_{batch_size}"
         engine, engine_int8 = (offline_engine(generator.folder, batch_size, w) for w in (torch.float32, "int8"))
+        started = time.perf_counter()
+        engine_compiled = offline_engine(generator.folder, batch_size, compiled_decode=tuple(range(1, batch_size + 1)))
+        results[f"{work}_start_seconds_{COMPILED}"] = time.perf_counter() - started
         eos_ids = sorted(engine.runner.eos_ids)
         runs: dict[str, Callable[[list[str]], list[Generated]]] = {
             "ours": partial(engine_generate, engine),
             "ours_int8": partial(engine_generate, engine_int8),
+            COMPILED: partial(engine_generate, engine_compiled),
             "transformers": partial(transformers_generate, hf_model, hf_tokenizer, eos_ids),
             **{name: partial(ct2_generate, model, encode, decode, eos_ids) for name, model in ct2.items()},
         }
@@ -402,14 +414,17 @@ def per_cpu_second(results: dict[str, float], work: str, system: str) -> float:
 
 def ratios(results: dict[str, float]) -> dict[str, float]:
     """<work>_vs_<peer>: our (float32) throughput over the peer's (wall time); <work>_int8_vs_<peer>:
-    the same for our int8 weights; <work>[_int8]_vs_<peer>_by_cpu: the same from CPU time (our work
+    the same for our int8 weights, <work>_compiled_vs_<peer> with the compiled decode step
+    (generation); <work>[_int8|_compiled]_vs_<peer>_by_cpu: the same from CPU time (our work
     per CPU second over the peer's)."""
     out = {}
     for key in list(results):
         for unit in ["_sentences_per_s", "_tokens_per_s"]:
             if key.endswith(f"{unit}_ours"):
                 work = key[: -len(f"{unit}_ours")]
-                for ours, name in [("ours", work), ("ours_int8", f"{work}_int8")]:
+                for ours, name in [("ours", work), ("ours_int8", f"{work}_int8"), (COMPILED, f"{work}_compiled")]:
+                    if f"{work}{unit}_{ours}" not in results:
+                        continue  # COMPILED in translation
                     for peer in PEERS:
                         out[f"{name}_vs_{peer}"] = results[f"{work}{unit}_{ours}"] / results[f"{work}{unit}_{peer}"]
                         out[f"{name}_vs_{peer}_by_cpu"] = per_cpu_second(results, work, ours) / per_cpu_second(results, work, peer)
@@ -428,14 +443,15 @@ def plot(results: dict[str, float], path: Path) -> None:
         ("generate_batch_1", "tokens_per_s", "generation, batch 1 (tokens/s)"),
         ("generate_batch_16", "tokens_per_s", "generation, batch 16 (tokens/s)"),
     ]
-    colors = ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive"]
+    colors = dict(zip([*SYSTEMS, COMPILED], ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive", "tab:purple"], strict=True))
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     for ax, (work, unit, title) in zip(axes.flat, works, strict=True):
-        values = [results[f"{work}_{unit}_{s}"] for s in SYSTEMS]
-        labels = [s.replace("_", "\n") for s in SYSTEMS]
+        systems = [s for s in colors if f"{work}_{unit}_{s}" in results]
+        values = [results[f"{work}_{unit}_{s}"] for s in systems]
+        labels = [s.replace("_", "\n") for s in systems]
         if work.startswith("translate"):
-            labels = [f"{label}\nBLEU {results[f'{work}_bleu_{s}']:.1f}" for label, s in zip(labels, SYSTEMS, strict=True)]
-        bars = ax.bar(labels, values, color=colors)
+            labels = [f"{label}\nBLEU {results[f'{work}_bleu_{s}']:.1f}" for label, s in zip(labels, systems, strict=True)]
+        bars = ax.bar(labels, values, color=[colors[s] for s in systems])
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
@@ -535,6 +551,8 @@ def main() -> None:
     models = {"translator": translator.describe(translator_info), "generator": generator.describe(generator_info)}
     notes = [
         "ours_int8: int8 linear layers and output projection, one scale per token and per output channel (model/quantize.py)",
+        f"{COMPILED} (generation): ours with the decode step compiled by torch.compile at every batch size up to the work's, "
+        "where its start measured it faster (EngineConfig.compiled_decode; off by default in the service)",
         f"translation: {BATCH_SENTENCES} sentences in flight for every system (our engine: {BATCH_SENTENCES} x beam size slots)",
         tokenization_note("translator", translator),
         tokenization_note("generator", generator),

@@ -240,14 +240,15 @@ def peers() -> str:
     for work, label in WORKS.items():
         unit = "sentences_per_s" if work.startswith("translate") else "tokens_per_s"
         cells = []
-        for system in ("ours", "ours_int8", "transformers", "ct2_float32", "ct2_int8"):
-            cell = num(data[f"{work}_{unit}_{system}"])
-            bleu = data.get(f"{work}_bleu_{system}")
+        for system in ("ours", "ours_compiled", "ours_int8", "transformers", "ct2_float32", "ct2_int8"):
+            value, bleu = data.get(f"{work}_{unit}_{system}"), data.get(f"{work}_bleu_{system}")
+            cell = "-" if value is None else num(value)  # ours_compiled: generation only
             cells.append(cell if bleu is None else f"{cell} ({num(bleu, 2)})")
-        ratios = [data[f"{work}_vs_transformers"], data[f"{work}_vs_ct2_float32"], data[f"{work}_int8_vs_ct2_int8"]]
-        rows.append([label, *cells, *(num(r, 2) for r in ratios)])
-    header = ["work (1 thread)", "ours", "ours int8", "transformers", "CT2 float32", "CT2 int8"]
-    header += ["ours / transformers", "ours / CT2 float32", "ours int8 / CT2 int8"]
+        ratios = [data[f"{work}_vs_transformers"], data[f"{work}_vs_ct2_float32"], data.get(f"{work}_compiled_vs_ct2_float32")]
+        ratios.append(data[f"{work}_int8_vs_ct2_int8"])
+        rows.append([label, *cells, *("-" if r is None else num(r, 2) for r in ratios)])
+    header = ["work (1 thread)", "ours", "ours, compiled decode", "ours int8", "transformers", "CT2 float32", "CT2 int8"]
+    header += ["ours / transformers", "ours / CT2 float32", "ours compiled / CT2 float32", "ours int8 / CT2 int8"]
     return table(header, rows) + measured_at(data)
 
 

@@ -4,6 +4,7 @@ Every decode step sees tensors of the same shape (slots x heads x max_len x head
 layer), so memory is bounded by configuration and the GPU path can capture the step.
 """
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -222,24 +223,31 @@ def ragged_step(
     """The step of sequences each computing query_lens[i] tokens after starts[i] cached ones, their
     blocks in block_tables[i]; rows of the flat batch follow that order. alibi_slopes (H,): the
     distance penalty folded into the masks."""
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)])  # (N,)
+    # The index lists are built in Python: a step has few sequences, and a torch operation per
+    # sequence costs more than the arithmetic.
     width = max(len(t) for t in block_tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # (S, nb)
-    owner = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # (N,)
-    slot_mapping = slots_of(tables[owner], positions[:, None], block_size)[:, 0].to(device)
-    firsts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    padded = [t + [0] * (width - len(t)) for t in block_tables]  # the null block past a table's end
+    slots = [
+        table[p // block_size] * block_size + p % block_size
+        for table, s, n in zip(padded, starts, query_lens, strict=True)
+        for p in range(s, s + n)
+    ]
+    slot_mapping = torch.tensor(slots, device=device)  # (N,)
+    tables = torch.tensor(padded)  # (S, nb)
+    firsts = list(itertools.accumulate(query_lens, initial=0))[:-1]  # each sequence's first row
     one = [i for i, n in enumerate(query_lens) if n == 1]
     decodes = None
     if one:
         lengths = torch.tensor([starts[i] + 1 for i in one])  # (Bd,) keys per row
-        nb = -(-int(lengths.max()) // block_size)
+        nb = -(-(max(starts[i] for i in one) + 1) // block_size)
         key_positions = torch.arange(nb * block_size)[None]  # (1, L)
         valid = key_positions < lengths[:, None]  # (Bd, L)
         mask = valid[:, None, None, :]
         if alibi_slopes is not None:
             mask = _alibi_mask(alibi_slopes, (lengths - 1)[:, None], key_positions, valid)  # (Bd, H, 1, L)
-        rows = torch.tensor([firsts[i] for i in one])
-        decodes = DecodeGroup(rows.to(device), tables[one, :nb].to(device), lengths.to(device), mask.to(device))
+        rows = torch.tensor([firsts[i] for i in one], device=device)
+        key_blocks = tables[:, :nb] if len(one) == len(query_lens) else tables[one, :nb]
+        decodes = DecodeGroup(rows, key_blocks.to(device), lengths.to(device), mask.to(device))
     chunks = []
     for i, (n, s) in enumerate(zip(query_lens, starts, strict=True)):
         if n == 1:
@@ -277,42 +285,21 @@ class PagedLayer:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: (1, H, N, D); k, v: (1, Hkv, N, D) of the step's N tokens. Returns (1, H, N, D).
-        Traced by torch.compile (a compiled decode step: service/engine/compiled_decode.py) for
-        more than one sequence, the decodes' attention is one operation the graph calls, as vLLM's
-        compiled graphs call theirs (inductor's own code for it, dynamic in the batch, is slower
-        than these kernels); one sequence's is traced and fused with the rest (faster there, even
-        than the CPU kernel called from the graph: 1.22x against 1.06x the eager step, SmolLM2's
-        shape at 256 keys)."""
-        if torch.compiler.is_compiling() and q.shape[2] > 1:
-            group = self.step.decodes
-            assert group is not None and not self.step.chunks, "compiled steps are decode-only"
-            return torch.ops.transformer_serving.paged_decode_attention(
-                q, k, v, self.keys, self.values, self.step.slot_mapping, group.key_blocks, group.lengths, group.mask
-            )
-        return self.attend_eagerly(q, k, v)
-
-    def attend_eagerly(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """`attend`, operation by operation."""
+        Writes the new keys and values into the pool, then attends: the decodes together, each
+        prompt chunk alone. torch.compile traces it (a compiled decode step:
+        service/engine/compiled_decode.py), the writes in place in the graph and the CPU kernel one
+        operation the graph calls, as vLLM's compiled graphs call their attention."""
         H, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
-        grouped = Hkv != H
         flat_keys, flat_values = self.keys.view(-1, Hkv, D), self.values.view(-1, Hkv, D)  # (slots, Hkv, D)
         flat_keys.index_copy_(0, self.step.slot_mapping, k[0].transpose(0, 1).to(flat_keys.dtype))
         flat_values.index_copy_(0, self.step.slot_mapping, v[0].transpose(0, 1).to(flat_values.dtype))
-        out = torch.empty_like(q[0].transpose(0, 1))  # (N, H, D)
+        flat_queries = q[0].transpose(0, 1)  # (N, H, D)
         group = self.step.decodes
+        if group is not None and not self.step.chunks:  # decodes only: group.rows are all N, in order
+            return self._attend_decodes(flat_queries, group).to(q.dtype).transpose(0, 1)[None]
+        out = torch.empty_like(flat_queries)  # (N, H, D)
         if group is not None:
-            queries = q[0].transpose(0, 1).index_select(0, group.rows)  # (Bd, H, D)
-            # Not while torch.compile traces a step (a ctypes call would break its graph): there the
-            # graph of several sequences calls the kernel through paged_decode_attention, and one
-            # sequence's SDPA is traced.
-            if self.decode_kernel and group.mask.dtype == torch.bool and not torch.compiler.is_compiling():
-                attended = paged_attention_cpu.paged_decode_attention(queries, self.keys, self.values, group.key_blocks, group.lengths)
-            else:
-                keys, values = self._gather(group.key_blocks)  # (Bd, Hkv, L, D)
-                attended = F.scaled_dot_product_attention(queries[:, :, None], keys, values, attn_mask=group.mask, enable_gqa=grouped)[
-                    :, :, 0
-                ]  # (Bd, H, D)
-            out.index_copy_(0, group.rows, attended.to(out.dtype))
+            out.index_copy_(0, group.rows, self._attend_decodes(flat_queries.index_select(0, group.rows), group).to(out.dtype))
         for chunk in self.step.chunks:
             rows = slice(chunk.first, chunk.first + chunk.length)
             queries = q[:, :, rows]  # (1, H, T, D)
@@ -324,9 +311,19 @@ class PagedLayer:
             else:
                 keys, values = self._gather(chunk.key_blocks[None])  # (1, Hkv, L, D)
             causal = chunk.mask is None
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask, is_causal=causal, enable_gqa=grouped)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask, is_causal=causal, enable_gqa=Hkv != H)
             out[rows] = attended[0].transpose(0, 1).to(out.dtype)
         return out.transpose(0, 1)[None]  # (1, H, N, D)
+
+    def _attend_decodes(self, queries: Tensor, group: DecodeGroup) -> Tensor:
+        """The attention (Bd, H, D) of the decodes' queries (Bd, H, D) over their keys in the pool:
+        the CPU kernel where it applies (not with ALiBi's biased masks), else SDPA over the keys
+        gathered out of their blocks."""
+        if self.decode_kernel and group.mask.dtype == torch.bool:
+            return paged_attention_cpu.paged_decode_attention(queries, self.keys, self.values, group.key_blocks, group.lengths)
+        keys, values = self._gather(group.key_blocks)  # (Bd, Hkv, L, D)
+        grouped = keys.shape[1] != queries.shape[1]
+        return F.scaled_dot_product_attention(queries[:, :, None], keys, values, attn_mask=group.mask, enable_gqa=grouped)[:, :, 0]
 
     def _attend_after_prefix(self, queries: Tensor, keys: Tensor, values: Tensor, chunk: PromptChunk) -> Tensor:
         """A chunk's causal attention (1, H, T, D) over its `start` cached keys and its own keys and
@@ -360,27 +357,3 @@ class PagedLayer:
 
 # SDPA's CPU flash kernel, which returns the log-sum-exp of each query's scores beside the output.
 flash_attention_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def paged_decode_attention(
-    q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slot_mapping: Tensor, key_blocks: Tensor, lengths: Tensor, mask: Tensor
-) -> Tensor:
-    """PagedLayer(keys, values, step).attend(q, k, v) for a step of one token per sequence, whose
-    DecodeGroup has key_blocks, lengths and mask (rows: the step's, in order): writes the new keys
-    and values into the pool (keys, values), returns the attention (1, H, N, D)."""
-    rows = torch.arange(q.shape[2], device=q.device)
-    step = RaggedStep(slot_mapping, DecodeGroup(rows, key_blocks, lengths, mask), [])
-    return PagedLayer(keys, values, step, paged_attention_cpu.applies(keys)).attend_eagerly(q, k, v)
-
-
-_decode_attention_op = torch.library.custom_op(
-    "transformer_serving::paged_decode_attention", paged_decode_attention, mutates_args=("keys", "values")
-)
-
-
-@_decode_attention_op.register_fake
-def _(
-    q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor, slot_mapping: Tensor, key_blocks: Tensor, lengths: Tensor, mask: Tensor
-) -> Tensor:
-    _, H, N, D = q.shape
-    return q.new_empty(N, H, D).transpose(0, 1)[None]  # (1, H, N, D) laid out as attend's

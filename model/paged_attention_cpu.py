@@ -31,7 +31,15 @@ def applies(pool: Tensor) -> bool:
 def paged_decode_attention(queries: Tensor, keys: Tensor, values: Tensor, key_blocks: Tensor, lengths: Tensor) -> Tensor:
     """Attention (B, H, D) of queries (B, H, D), each row b over the first lengths[b] keys and values
     of its blocks key_blocks[b] (B, nb) in the pools keys, values (num_blocks, block_size, Hkv, D),
-    scaled by 1/sqrt(D); query head h reads key head h // (H / Hkv). Requires `applies`."""
+    scaled by 1/sqrt(D); query head h reads key head h // (H / Hkv). Requires `applies`. Under
+    torch.compile the kernel is one opaque operation that reads the pools (it writes nothing), so a
+    compiled step keeps its own writes of the new keys in the graph, done in place."""
+    attend = torch.ops.transformer_serving.paged_decode_attention if torch.compiler.is_compiling() else _kernel_attention
+    return attend(queries, keys, values, key_blocks, lengths)
+
+
+def _kernel_attention(queries: Tensor, keys: Tensor, values: Tensor, key_blocks: Tensor, lengths: Tensor) -> Tensor:
+    """`paged_decode_attention` by the C kernel."""
     function = kernel()
     assert function is not None, "paged_decode_attention without its kernel (check applies())"
     B, H, D = queries.shape
@@ -60,3 +68,11 @@ def paged_decode_attention(queries: Tensor, keys: Tensor, values: Tensor, key_bl
     if status != 0:
         raise MemoryError("paged_decode_attention: out of memory for its scores")
     return out
+
+
+_kernel_op = torch.library.custom_op("transformer_serving::paged_decode_attention", _kernel_attention, mutates_args=())
+
+
+@_kernel_op.register_fake
+def _(queries: Tensor, keys: Tensor, values: Tensor, key_blocks: Tensor, lengths: Tensor) -> Tensor:
+    return queries.new_empty(queries.shape)

@@ -2,9 +2,11 @@
 
 A decode-only step (one new token per sequence) runs the same small operations in every layer:
 norms, rotary positions, the residual adds, the gated feed-forward's activation. Eagerly, each is
-a dispatch and a pass over memory; inductor fuses them into a few C++ loops. The paged attention
-(model/kv_cache.py) and oneDNN's packed products (model/packed_linear.py) are operations the graph
-calls as they are, as vLLM's compiled graphs call their attention.
+a dispatch and a pass over memory; inductor fuses them into a few C++ loops, and writes the new keys
+and values into the pool in place. The linear layers' kernels (model/packed_linear.py) and the CPU
+paged attention kernel (model/paged_attention_cpu.py) are operations the graph calls as they are,
+as vLLM's compiled graphs call their attention; none writes to its inputs (an operation that did
+ran through torch's functionalization, in Python, at every call: docs/performance.md).
 
 Graphs: torch specializes a batch of one, so batch 1 has its own graph, and every other batch
 size shares one, dynamic in the batch and in the key length (a step's key blocks are padded to at

@@ -259,7 +259,7 @@ class GeneratorRunner:
                 sampled_rows.append(at)
                 at += 1
         if sampling:
-            next_logits = logits.index_select(0, torch.tensor(sampled_rows, device=logits.device))  # (S, V)
+            next_logits = in_order(logits, sampled_rows)  # (S, V)
             if plan.grammar is not None:
                 plan.grammar.apply(next_logits, [r.request_id for r in sampling])
             chosen = _sample(next_logits, sampling, self.eos_ids)
@@ -284,6 +284,14 @@ class GeneratorRunner:
             return compiled
         rows = torch.arange(len(fed), device=self.device)
         return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
+
+
+def in_order(logits: Tensor, rows: list[int]) -> Tensor:
+    """logits' rows (R, V) in the order `rows` names them: logits itself where that is all of them in
+    order, else a copy (a vocabulary-wide row each, so worth sparing)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
 
 def beam_group(slots_of_requests: list[list[int]], rows: list[int]) -> int:
@@ -405,8 +413,7 @@ class TranslatorRunner:
         beams = [r for r in requests if r.beams is not None]
         streamed = [r for r in requests if r.beams is None]
         if beams:
-            beam_rows = torch.tensor([row_of[s] for r in beams for s in r.slots], device=self.device)
-            log_probs = F.log_softmax(logits.index_select(0, beam_rows).float(), dim=-1)  # (sum of K, V)
+            log_probs = F.log_softmax(in_order(logits, [row_of[s] for r in beams for s in r.slots]).float(), dim=-1)  # (sum of K, V)
             states = [r.beams for r in beams if r.beams is not None]
             copies = []
             for r, state, (parents, _) in zip(beams, states, step_beams(states, log_probs), strict=True):
@@ -418,8 +425,7 @@ class TranslatorRunner:
             if copies:
                 self.cache.copy_blocks(torch.tensor([a for a, _ in copies]), torch.tensor([b for _, b in copies]))
         if streamed:
-            streamed_rows = torch.tensor([row_of[r.slots[0]] for r in streamed], device=self.device)
-            streamed_logits = logits.index_select(0, streamed_rows)  # (S, V)
+            streamed_logits = in_order(logits, [row_of[r.slots[0]] for r in streamed])  # (S, V)
             if grammar is not None:
                 grammar.apply(streamed_logits, [r.request_id for r in streamed])
             sampled = _sample(streamed_logits, streamed, self.eos_ids)
@@ -447,7 +453,8 @@ class TranslatorRunner:
         ids_tensor = torch.tensor(ids, device=self.device)[:, None]  # (rows, 1)
         positions_tensor = torch.tensor(positions, device=self.device)[:, None]
         logits = self.model.decode(ids_tensor, memory_kv, src_mask, positions_tensor, layers, 0, group)[:, -1]  # (rows, V)
-        return logits.index_select(0, torch.tensor([rows.index(s) for s in fed], device=self.device))
+        row_of = {row: i for i, row in enumerate(rows)}
+        return in_order(logits, [row_of[s] for s in fed])
 
     @staticmethod
     def _step_of(r: Request) -> int:
