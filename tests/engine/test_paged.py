@@ -20,7 +20,7 @@ from service.engine.engine import Engine, StepReport
 from service.engine.errors import InvalidRequestError
 from service.engine.kv_blocks import NULL_BLOCK, KVBlockManager, block_hashes
 from service.engine.request import Delta, GenerationParams, Request
-from service.engine.runner import GeneratorRunner, TranslatorRunner
+from service.engine.runner import GeneratorRunner, TranslatorRunner, in_order
 from tests.engine.helpers import assert_equal_up_to_a_tie, deltas_of
 from tests.hf_folders import build_llama_folder
 
@@ -283,3 +283,11 @@ def test_the_translators_beams_return_every_block_when_they_end() -> None:
     finals = deltas_of(engine, {0: requests[:2], 1: requests[2:]})
     assert all(deltas[-1].finish_reason in ("stop", "length") for deltas in finals.values())
     assert runner.blocks.num_free == runner.blocks.num_blocks - 1 and not runner.blocks.sequences
+
+
+def test_in_order_copies_only_rows_out_of_order() -> None:
+    """A step's logits go to its samplers as they are when their rows are all there in order."""
+    logits = torch.randn(3, 5)
+    assert in_order(logits, [0, 1, 2]) is logits
+    assert torch.equal(in_order(logits, [2, 0]), logits[[2, 0]])
+    assert torch.equal(in_order(logits, [0, 1]), logits[:2])

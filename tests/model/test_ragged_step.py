@@ -1,0 +1,38 @@
+"""ragged_step: the index tensors of one step's flattened tokens, built from Python lists."""
+
+import torch
+
+from model.kv_cache import ragged_step, slots_of
+
+BLOCK = 4
+
+
+def test_slots_rows_and_blocks_of_a_mixed_step() -> None:
+    """Two decodes, a chunk after a cached prefix, a chunk from position 0, and an idle row (an
+    empty table at position 0, as a translator's step runs): each new token's slot is
+    table[position // block] * block + position % block over its table padded with the null block."""
+    lens, starts = [1, 3, 1, 2, 1], [5, 6, 0, 0, 0]
+    tables = [[7, 3], [2, 9, 4], [5], [8], []]
+    step = ragged_step(lens, starts, tables, BLOCK, torch.device("cpu"))
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # (S, nb)
+    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # (N,)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])  # (N,)
+    expected = slots_of(padded[owner], positions[:, None], BLOCK)[:, 0]
+    assert torch.equal(step.slot_mapping, expected)
+    assert step.slot_mapping.tolist() == [3 * 4 + 1, 9 * 4 + 2, 9 * 4 + 3, 4 * 4 + 0, 5 * 4 + 0, 8 * 4 + 0, 8 * 4 + 1, 0]
+    decodes = step.decodes
+    assert decodes is not None
+    assert decodes.rows.tolist() == [0, 4, 7]  # each one-token sequence's row in the flat batch
+    assert decodes.lengths.tolist() == [6, 1, 1]
+    assert decodes.key_blocks.tolist() == [[7, 3], [5, 0], [0, 0]]  # blocks of the longest (6 keys: 2)
+    assert [(c.first, c.length, c.start) for c in step.chunks] == [(1, 3, 6), (5, 2, 0)]
+
+
+def test_a_decode_only_step_keeps_every_row_in_order() -> None:
+    step = ragged_step([1, 1, 1], [0, 4, 9], [[1], [2, 3], [4, 5, 6]], BLOCK, torch.device("cpu"))
+    assert step.decodes is not None and not step.chunks
+    assert step.decodes.rows.tolist() == [0, 1, 2]
+    assert step.decodes.key_blocks.tolist() == [[1, 0, 0], [2, 3, 0], [4, 5, 6]]
+    assert step.slot_mapping.tolist() == [4, 12, 25]
+    assert step.decodes.mask[:, 0, 0].sum(-1).tolist() == [1, 5, 10]  # keys each row attends to
