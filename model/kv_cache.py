@@ -246,8 +246,7 @@ def ragged_step(
         if alibi_slopes is not None:
             mask = _alibi_mask(alibi_slopes, (lengths - 1)[:, None], key_positions, valid)  # (Bd, H, 1, L)
         rows = torch.tensor([firsts[i] for i in one], device=device)
-        key_blocks = tables[:, :nb] if len(one) == len(query_lens) else tables[one, :nb]
-        decodes = DecodeGroup(rows, key_blocks.to(device), lengths.to(device), mask.to(device))
+        decodes = DecodeGroup(rows, tables[one, :nb].to(device), lengths.to(device), mask.to(device))
     chunks = []
     for i, (n, s) in enumerate(zip(query_lens, starts, strict=True)):
         if n == 1:

@@ -288,7 +288,8 @@ class GeneratorRunner:
 
 def in_order(logits: Tensor, rows: list[int]) -> Tensor:
     """logits' rows (R, V) in the order `rows` names them: logits itself where that is all of them in
-    order, else a copy (a vocabulary-wide row each, so worth sparing)."""
+    order (so a change in place changes logits too), else a copy (a vocabulary-wide row each, so
+    worth sparing)."""
     if rows == list(range(logits.shape[0])):
         return logits
     return logits.index_select(0, torch.tensor(rows, device=logits.device))
