@@ -8,10 +8,10 @@ them the same way over its slots.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from decoding.sampling import suppress, suppressed_index
+from decoding.top_k_cpu import row_top_k
 from model.kv_cache import KVCache
 from model.masks import padding_mask
 from model.translator import Translator
@@ -74,26 +74,35 @@ class BeamState:
         return sorted(pool, key=lambda h: h.score, reverse=True)[:n]
 
 
-def step_beams(states: list[BeamState], log_probs: Tensor) -> list[tuple[list[int], list[int]]]:
-    """One step of several sentences' searches: log_probs (sum of their beam sizes, V), each
-    sentence's live beams in order. One top-k serves all the sentences of a beam size. Returns
-    each sentence's (parents, tokens), K each: live beam i continues beam parents[i] with
-    tokens[i]."""
-    V = log_probs.shape[-1]
-    log_probs = log_probs.float().cpu()
+def step_beams(states: list[BeamState], logits: Tensor) -> list[tuple[list[int], list[int]]]:
+    """One step of several sentences' searches: logits (sum of their beam sizes, V), each
+    sentence's live beams in order, suppressed ids at -inf. A beam's candidates are its 2K most
+    likely tokens (no other of its tokens can be among its sentence's 2K best), scored by its score
+    plus their log-probabilities (logit less the row's log-sum-exp); one top-k over the K x 2K
+    candidates of each sentence serves all the sentences of a beam size. Returns each sentence's
+    (parents, tokens), K each: live beam i continues beam parents[i] with tokens[i]."""
+    V = logits.shape[-1]
+    widest = min(2 * max(state.beam_size for state in states), V)
+    top_logits, top_ids, lse = row_top_k(logits.float().cpu(), widest)  # (R, widest) twice, (R,)
+    assert lse is not None
+    top_log_probs = top_logits - lse[:, None]  # (R, widest)
     starts = [0]
     for state in states:
         starts.append(starts[-1] + state.beam_size)
     moves: list[tuple[list[int], list[int]]] = [([], [])] * len(states)
     for K in sorted({state.beam_size for state in states}):
         group = [i for i, state in enumerate(states) if state.beam_size == K]
-        rows = log_probs  # (G * K, V): every sentence has this beam size, the usual case
+        width = min(2 * K, V)
+        log_probs, ids = top_log_probs[:, :width], top_ids[:, :width]  # (G * K, width): every sentence has this beam size, the usual case
         if len(group) < len(states):
-            rows = log_probs.index_select(0, torch.tensor([starts[i] + k for i in group for k in range(K)]))
+            rows = torch.tensor([starts[i] + k for i in group for k in range(K)])
+            log_probs, ids = log_probs.index_select(0, rows), ids.index_select(0, rows)
         scores = torch.stack([states[i].scores for i in group])  # (G, K)
-        candidates = (scores[:, :, None] + rows.view(len(group), K, V)).view(len(group), K * V)
-        top_scores, top_index = candidates.topk(2 * K, dim=-1)  # (G, 2K) each
-        for i, best_scores, best_index in zip(group, top_scores.tolist(), top_index.tolist(), strict=True):
+        candidates = (scores[:, :, None] + log_probs.reshape(len(group), K, width)).view(len(group), K * width)
+        top_scores, top_index = candidates.topk(min(2 * K, K * width), dim=-1)  # (G, 2K) each
+        tokens = ids.reshape(len(group), K * width).gather(1, top_index)  # (G, 2K)
+        flat_index = top_index // width * V + tokens  # into each sentence's (K, V) beam x token scores
+        for i, best_scores, best_index in zip(group, top_scores.tolist(), flat_index.tolist(), strict=True):
             moves[i] = states[i].advance(best_scores, best_index, V)
     return moves
 
@@ -131,8 +140,7 @@ def beam_search(
             caches=list(cache.views(rows, positions, t + 1)),
             cache_length=t + 1,
         )  # (A*K, 1, V)
-        log_probs = F.log_softmax(suppress(logits[:, -1].float(), suppressed), dim=-1).view(len(active), K, -1)
-        moves = step_beams([states[i] for i in active], log_probs.view(len(active) * K, -1))
+        moves = step_beams([states[i] for i in active], suppress(logits[:, -1].float(), suppressed))
         src_rows = [p + i * K for i, (parents, _) in zip(active, moves, strict=True) for p in parents]
         cache.copy_slots(torch.tensor(src_rows, device=src.device), rows)
         tokens[rows] = torch.tensor([t for _, step_tokens in moves for t in step_tokens], device=src.device)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from decoding.sampling_params import SamplingParams
+from decoding.top_k_cpu import greedy_ids
 
 
 def filter_logits(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
@@ -87,7 +88,7 @@ def sample_next(logits: Tensor, params: list[SamplingParams], generators: list[t
     NaN or infinite logits (a poisoned row) fall back to the row's argmax of the finite values.
     """
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-    tokens = logits.argmax(-1)  # (B,)
+    tokens = greedy_ids(logits)  # (B,)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens

@@ -4,14 +4,16 @@ Masks follow torch's convention: a boolean mask is True where a query may attend
 a float mask is added to the scores (ALiBi biases, -inf for blocked keys).
 """
 
+import itertools
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.kv_cache import PagedLayer
+from model.kv_cache import PagedLayer, SourceLayer
 from model.positions import apply_rope
 
 
@@ -40,6 +42,24 @@ def scaled_dot_product_attention(
     if dropout > 0.0:
         weights = F.dropout(weights, p=dropout)
     return weights @ v, weights
+
+
+class Segments:
+    """Sequences side by side in one row, (1, N) tokens, the i-th `lengths[i]` long: each attends
+    over its own tokens only (bidirectionally). A block-diagonal mask, computed block by block, so
+    that a batch of sources of different lengths is encoded without padding."""
+
+    def __init__(self, lengths: Sequence[int]) -> None:
+        self.bounds = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))  # [first, last) of each
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q, k, v: (1, H, N, D). Returns (1, H, N, D)."""
+        if len(self.bounds) == 1:
+            return F.scaled_dot_product_attention(q, k, v)
+        out = torch.empty_like(q)
+        for first, last in self.bounds:
+            out[:, :, first:last] = F.scaled_dot_product_attention(q[:, :, first:last], k[:, :, first:last], v[:, :, first:last])
+        return out
 
 
 class MultiHeadAttention(nn.Module):
@@ -114,14 +134,17 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        key_value: tuple[Tensor, Tensor] | None = None,
-        mask: Tensor | None = None,
+        key_value: tuple[Tensor, Tensor] | SourceLayer | None = None,
+        mask: Tensor | Segments | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
         cache: SelfAttentionCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, d_model) queries. key_value: projected keys/values for cross-attention
-        (from `project_key_value`); None means self-attention over x (and the cache, if given).
+        (from `project_key_value`), or a SourceLayer (a paged translator step's: one query per row,
+        read by the CPU decode kernel, no mask); None means self-attention over x (and the cache, if given).
+        mask: as scaled_dot_product_attention's, or Segments (self-attention of sequences side by
+        side in x, B = 1).
         rope: (cos, sin) at the query positions, (B, 1, T, R), applied to self-attention queries and keys.
         The cache holds Hkv heads; a PagedLayer (a paged step's, model/kv_cache.py) takes the keys
         and attends each sequence over its own: x's B x T tokens are the step's, row by row (a
@@ -135,6 +158,10 @@ class MultiHeadAttention(nn.Module):
             )  # (1, heads, N, D)
             out = cache.attend(q, k, v)[0].view(self.n_heads, B, T, self.head_dim).permute(1, 2, 0, 3)  # (B, T, H, D)
             return self.out_proj(out.reshape(B, T, self.n_heads * self.head_dim)), None
+        if isinstance(key_value, SourceLayer):
+            assert T == 1 and mask is None, "a SourceLayer attends one query per row over its own source"
+            out = key_value.attend(self.q_proj(x).view(B, self.n_heads, self.head_dim))  # (B, H, D)
+            return self.out_proj(out.view(B, T, self.n_heads * self.head_dim)), None
         if key_value is None:
             q, k, v = self._project_self(x, rope)  # (B, H, T, D), (B, Hkv, T, D) twice
             if cache is not None:
@@ -143,7 +170,10 @@ class MultiHeadAttention(nn.Module):
             q, (k, v) = self._split_heads(self.q_proj(x)), key_value  # (B, H, T, D)
         dropout = self.dropout if self.training else 0.0
         weights = None
-        if self.use_sdpa and not need_weights:
+        if isinstance(mask, Segments):
+            assert key_value is None and cache is None and not self.training, "Segments: self-attention, for inference"
+            out = mask.attend(q, k, v)
+        elif self.use_sdpa and not need_weights:
             grouped = self.n_kv_heads != self.n_heads
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=grouped)  # (B, H, T, D)
         else:

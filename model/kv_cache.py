@@ -7,7 +7,6 @@ layer), so memory is bounded by configuration and the GPU path can capture the s
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -104,34 +103,92 @@ class KVCache(LayerCaches):
 
 
 class CrossAttentionCache(LayerCaches):
-    """The translator's cross-attention keys/values per slot for sources of up to `length`
-    tokens, computed once from the encoder output, and which source positions are real tokens.
-    Built with LayerCaches' arguments."""
+    """The translator's cross-attention keys/values per slot for sources of up to `length` tokens,
+    computed once from the encoder output, and which source positions are real tokens (a prefix:
+    sources are right-padded). Laid out as the paged decode kernel reads a pool, (n_slots, length,
+    H, D) per layer: a slot's source is one block of `length` positions. Built with LayerCaches'
+    arguments."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.src_valid = torch.zeros(self.n_slots, self.length, dtype=torch.bool, device=self.keys[0].device)
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_heads: int,
+        length: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (n_slots, length, n_heads, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.n_slots, self.length = n_slots, length
+        self.src_valid = torch.zeros(n_slots, length, dtype=torch.bool, device=device)
+        self.decode_kernel = paged_attention_cpu.applies(self.keys[0])  # one-token queries attend through the CPU kernel
 
-    def write(self, slots: Tensor, memory_kv: list[tuple[Tensor, Tensor]], src_valid: Tensor) -> None:
-        """memory_kv: per layer (B, H, S, D); src_valid: (B, S) True at real source tokens."""
-        S = src_valid.shape[1]
-        assert self.length >= S, "source longer than the cross-attention cache"
+    def write(self, slots: Sequence[Sequence[int]], lengths: Sequence[int], memory_kv: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """Sources side by side: the i-th of lengths[i] tokens, its keys and values written to each of
+        slots[i] (a slot per beam). memory_kv: per layer (N, H, D) each, the sources' tokens one after another."""
+        assert max(lengths) <= self.length, "source longer than the cross-attention cache"
+        firsts = list(itertools.accumulate(lengths, initial=0))[:-1]  # each source's first token
+        pairs = [
+            (slot * self.length + p, first + p)
+            for first, n, row in zip(firsts, lengths, slots, strict=True)
+            for slot in row
+            for p in range(n)
+        ]  # (flat cache position, token) of every token in each of its slots
+        device = self.src_valid.device
+        destination, source = torch.tensor(pairs, device=device).T  # (M,) each: flat cache position, token
         for (k, v), keys, values in zip(memory_kv, self.keys, self.values, strict=True):
-            keys[slots, :, :S] = k.to(keys.dtype)
-            values[slots, :, :S] = v.to(values.dtype)
-        self.src_valid[slots] = False
-        self.src_valid[slots, :S] = src_valid
+            keys.view(-1, *keys.shape[2:]).index_copy_(0, destination, k.index_select(0, source).to(keys.dtype))
+            values.view(-1, *values.shape[2:]).index_copy_(0, destination, v.index_select(0, source).to(values.dtype))
+        slot_lengths = torch.tensor([n for n, row in zip(lengths, slots, strict=True) for _ in row], device=device)  # (S,)
+        written = torch.tensor([slot for row in slots for slot in row], device=device)
+        self.src_valid[written] = torch.arange(self.length, device=device)[None] < slot_lengths[:, None]
 
     def read(self, slots: Sequence[int] | Tensor, length: int) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
-        """Keys/values (B, H, length, D) per layer and the source mask (B, 1, 1, length)."""
+        """Keys/values (B, H, length, D) per layer (views for evenly spaced slots) and the source
+        mask (B, 1, 1, length)."""
         _, rows = cache_rows(slots, self.src_valid.device)
-        kv = [(read_rows(k, rows, length), read_rows(v, rows, length)) for k, v in zip(self.keys, self.values, strict=True)]
+
+        def rows_of(cache: Tensor) -> Tensor:  # (N, L, H, D) -> (B, H, length, D)
+            read = cache[rows, :length] if isinstance(rows, slice) else cache[:, :length].index_select(0, rows)
+            return read.transpose(1, 2)
+
+        kv = [(rows_of(k), rows_of(v)) for k, v in zip(self.keys, self.values, strict=True)]
         valid = self.src_valid[rows, :length] if isinstance(rows, slice) else self.src_valid[:, :length].index_select(0, rows)
         return kv, valid[:, None, None, :]
 
+    def layers(self, slots: Sequence[int]) -> list["SourceLayer"]:
+        """Per layer, the sources of `slots` (B rows) as the CPU decode kernel reads them in place
+        (requires decode_kernel). A slot without a source (an idle row) reads its first position."""
+        index = torch.tensor(slots, device=self.src_valid.device)
+        lengths = self.src_valid.index_select(0, index).sum(-1).clamp(min=1)  # (B,): the valid prefix
+        blocks = index[:, None]  # (B, 1): a slot's source is its own block
+        return [SourceLayer(k, v, blocks, lengths) for k, v in zip(self.keys, self.values, strict=True)]
+
     def copy_slots(self, src: Tensor, dst: Tensor, length: int | None = None) -> None:
-        super().copy_slots(src, dst, length)
+        """Slot dst[i] becomes a copy of slot src[i], positions [0, length) only (default: all)."""
+        for cache in self.keys + self.values:
+            prefix = cache if length is None else cache[:, :length]  # a view: the copy writes the cache
+            prefix.index_copy_(0, dst, prefix.index_select(0, src))
         self.src_valid[dst] = self.src_valid[src]
+
+
+@dataclass
+class SourceLayer:
+    """One layer's cross-attention cache bound to a step's rows, read in place by the CPU decode
+    kernel (model/paged_attention_cpu.py): row b attends over the first lengths[b] keys of block
+    blocks[b] of the pools, where the plain path reads them out (CrossAttentionCache.read) for SDPA."""
+
+    keys: Tensor  # (n_slots, L, H, D)
+    values: Tensor
+    blocks: Tensor  # (B, 1) each row's slot
+    lengths: Tensor  # (B,) each row's source length
+
+    def attend(self, q: Tensor) -> Tensor:
+        """q: (B, H, D), a query per row. Returns (B, H, D)."""
+        return paged_attention_cpu.paged_decode_attention(q, self.keys, self.values, self.blocks, self.lengths)
 
 
 class PagedKVCache:

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import MultiHeadAttention, SelfAttentionCache
+from model.attention import MultiHeadAttention, Segments, SelfAttentionCache
 from model.config import Activation, Norm
+from model.kv_cache import SourceLayer
 
 ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
@@ -86,8 +87,9 @@ class EncoderLayer(nn.Module):
         self.attn_residual = Residual(d_model, dropout, norm_first, norm_eps)
         self.ff_residual = Residual(d_model, dropout, norm_first, norm_eps)
 
-    def forward(self, x: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """x: (B, S, d_model); mask: (B, 1, 1|S, S). Returns (B, S, d_model)."""
+    def forward(self, x: Tensor, mask: Tensor | Segments | None, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """x: (B, S, d_model); mask: (B, 1, 1|S, S), or Segments (sources side by side, B = 1).
+        Returns (B, S, d_model)."""
         x = self.attn_residual(x, lambda h: self.self_attn(h, mask=mask, rope=rope)[0])
         return self.ff_residual(x, self.feed_forward)
 
@@ -131,13 +133,15 @@ class DecoderLayer(nn.Module):
         self_mask: Tensor | None,
         rope: tuple[Tensor, Tensor] | None = None,
         cache: SelfAttentionCache | None = None,
-        memory_kv: tuple[Tensor, Tensor] | None = None,
+        memory_kv: tuple[Tensor, Tensor] | SourceLayer | None = None,
         memory_mask: Tensor | None = None,
         memory_group: int = 1,
     ) -> Tensor:
         """x: (B, T, d_model). memory_kv: this layer's cross-attention keys/values, (B / memory_group,
         H, S, D), and memory_mask (B / memory_group, 1, 1, S): each memory_group consecutive rows of x
         attend to one source (a sentence's beams), whose keys are then read once for all of them.
+        Or a SourceLayer (a paged translator step's, model/kv_cache.py): each row's own source, no
+        mask, memory_group 1.
         Returns (B, T, d_model)."""
 
         def self_attention(h: Tensor) -> Tensor:

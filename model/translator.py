@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from model.attention import MultiHeadAttention, SelfAttentionCache
+from model.attention import MultiHeadAttention, Segments, SelfAttentionCache
 from model.config import TranslatorConfig
-from model.kv_cache import PagedLayer
+from model.kv_cache import PagedLayer, SourceLayer
 from model.layers import DecoderLayer, EncoderLayer, project_logits
 from model.masks import padding_mask
 from model.positions import PositionEncoder
@@ -72,6 +72,18 @@ class Translator(nn.Module):
             x = layer(x, mask, rope)
         return self.encoder_norm(x)
 
+    def encode_ragged(self, ids: Tensor, lengths: Sequence[int]) -> Tensor:
+        """The encoder output (1, N, d_model) of sources side by side: ids (N,), the sources one
+        after another, lengths[i] tokens each, none of them padding (each attends over its own).
+        Equal to `encode` of the sources padded, at their real tokens. Not with ALiBi positions."""
+        assert self.positions.alibi_slopes is None, "ALiBi's biases take the padded encode"
+        positions = torch.cat([torch.arange(n, device=ids.device) for n in lengths])[None]  # (1, N)
+        segments, rope = Segments(lengths), self.positions.rope(positions)
+        x = self._embed(ids[None], positions)
+        for layer in self.encoder_layers:
+            x = layer(x, segments, rope)
+        return self.encoder_norm(x)
+
     def cross_key_values(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Each decoder layer's cross-attention keys/values, (B, H, S, D): computed once per source."""
         kv = []
@@ -83,8 +95,8 @@ class Translator(nn.Module):
     def decode(
         self,
         tgt_ids: Tensor,
-        memory_kv: list[tuple[Tensor, Tensor]],
-        src_mask: Tensor,
+        memory_kv: Sequence[tuple[Tensor, Tensor]] | Sequence[SourceLayer],
+        src_mask: Tensor | None,
         positions: Tensor | None = None,
         caches: Sequence[SelfAttentionCache] | Sequence[PagedLayer] | None = None,
         cache_length: int = 0,
@@ -92,7 +104,8 @@ class Translator(nn.Module):
     ) -> Tensor:
         """Next-token logits for every target position, (B, T, vocab).
 
-        tgt_ids: (B, T) starting with bos. memory_kv from `cross_key_values`; src_mask (B, 1, 1, S).
+        tgt_ids: (B, T) starting with bos. memory_kv from `cross_key_values`; src_mask (B, 1, 1, S);
+        or, in a paged step, the cross-attention cache's SourceLayers and no mask.
         Without caches the whole prefix is given; with caches, tgt_ids are the new tokens at
         `positions` (B, T) and keys come from the caches (cache_length keys each; a paged step's
         PagedLayers know their own). With

@@ -14,7 +14,7 @@ from decoding.sampling import adjust_logits, sample_next, suppress, suppressed_i
 from decoding.translate import max_new_tokens_for, pad_batch
 from loading.tokenizer import TextTokenizer
 from model.generator import Generator
-from model.kv_cache import CrossAttentionCache, PagedKVCache, ragged_step
+from model.kv_cache import CrossAttentionCache, PagedKVCache, SourceLayer, ragged_step
 from model.translator import Translator
 from service.engine.compiled_decode import CompiledDecode
 from service.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, TokenLogprob, serving_context
@@ -355,6 +355,7 @@ class TranslatorRunner:
         self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
         self.kv_pool = None  # admission by slots (a beam a slot): the pool always holds them
+        self.ragged_encode = model.positions.alibi_slopes is None  # new sources side by side (ALiBi's biases: padded)
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
         capture = self.device.type == "cuda"
@@ -389,12 +390,18 @@ class TranslatorRunner:
         return output
 
     def _encode(self, requests: list[Request]) -> None:
-        src = pad_batch([r.prompt_ids for r in requests], self.pad_id).to(self.device)  # (B, S)
-        memory_kv = self.model.cross_key_values(self.model.encode(src))
-        # Each beam row gets its own copy of its sentence's keys/values.
-        rows = torch.tensor([i for i, r in enumerate(requests) for _ in r.slots], device=self.device)
-        slots = torch.tensor([s for r in requests for s in r.slots], device=self.device)
-        self.cross_cache.write(slots, [(k[rows], v[rows]) for k, v in memory_kv], (src != self.pad_id)[rows])
+        """The sources side by side, without padding (ragged_encode; else padded to the longest);
+        each beam row gets its own copy of its sentence's keys and values."""
+        lengths = [len(r.prompt_ids) for r in requests]
+        if self.ragged_encode:
+            ids = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)  # (N,)
+            memory = self.model.encode_ragged(ids, lengths)  # (1, N, d)
+            memory_kv = [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v in self.model.cross_key_values(memory)]  # (N, H, D)
+        else:
+            src = pad_batch([r.prompt_ids for r in requests], self.pad_id).to(self.device)  # (B, S)
+            real = src != self.pad_id  # (B, S)
+            memory_kv = [(k.transpose(1, 2)[real], v.transpose(1, 2)[real]) for k, v in self.model.cross_key_values(self.model.encode(src))]
+        self.cross_cache.write([r.slots for r in requests], lengths, memory_kv)
         for r in requests:
             if r.params.beam_size > 1:
                 r.beams = BeamState(r.params.beam_size, r.max_tokens, self.eos_id, r.params.length_penalty)
@@ -414,10 +421,10 @@ class TranslatorRunner:
         beams = [r for r in requests if r.beams is not None]
         streamed = [r for r in requests if r.beams is None]
         if beams:
-            log_probs = F.log_softmax(in_order(logits, [row_of[s] for r in beams for s in r.slots]).float(), dim=-1)  # (sum of K, V)
+            beam_logits = in_order(logits, [row_of[s] for r in beams for s in r.slots])  # (sum of K, V)
             states = [r.beams for r in beams if r.beams is not None]
             copies = []
-            for r, state, (parents, _) in zip(beams, states, step_beams(states, log_probs), strict=True):
+            for r, state, (parents, _) in zip(beams, states, step_beams(states, beam_logits), strict=True):
                 # A row that continues itself keeps its blocks; one that continues another's beam takes its.
                 pairs = [(str(r.slots[parent]), str(r.slots[beam])) for beam, parent in enumerate(parents) if parent != beam]
                 copies += self.blocks.fork(pairs, fed[r.slots[0]][1] + 1)
@@ -436,17 +443,22 @@ class TranslatorRunner:
         """Next-token logits (R, V) of one decoder step, a row per sequence of fed (slot -> (token,
         position); blocks allocated to hold it) in its order, suppressed ids not yet applied; source_length:
         the longest source. The fixed-shape step, or the dynamic one: it runs the span of rows
-        `decode_rows` picks, idle rows included (at position 0 of the null block), so the cross
-        cache is read through views, and when the rows are aligned blocks of one beam width
-        (`beam_group`, from each request's slots), a sentence's beams read its source keys once."""
+        `decode_rows` picks, idle rows included (at position 0 of the null block); each row's
+        source keys read in place by the CPU kernel, or else through views of the cross cache, and
+        when the rows are aligned blocks of one beam width (`beam_group`, from each request's
+        slots), a sentence's beams read its source keys once."""
         for slot, (_, position) in fed.items():
             assert self.blocks.allocate(str(slot), position + 1), "the pool holds every slot's whole context"
         paged = {slot: (token, position, self.blocks.table(str(slot))) for slot, (token, position) in fed.items()}
         if self.fixed_shape is not None:
             return self.fixed_shape(paged, source_length)
         rows = decode_rows(list(fed))
-        group = beam_group(slots_of_requests, rows)  # rows sharing a source: read its keys once
-        memory_kv, src_mask = self.cross_cache.read(rows[::group], source_length)
+        memory_kv: list[tuple[Tensor, Tensor]] | list[SourceLayer]
+        if self.cross_cache.decode_kernel:  # each row's source keys read in place by the CPU kernel
+            group, memory_kv, src_mask = 1, self.cross_cache.layers(rows), None
+        else:
+            group = beam_group(slots_of_requests, rows)  # rows sharing a source: read its keys once
+            memory_kv, src_mask = self.cross_cache.read(rows[::group], source_length)
         idle: tuple[int, int, list[int]] = (self.pad_id, 0, [])
         ids, positions, tables = (list(column) for column in zip(*(paged.get(row, idle) for row in rows), strict=True))
         step = ragged_step([1] * len(rows), positions, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)

@@ -76,10 +76,15 @@ def test_abort_mid_batch_leaves_the_others_unchanged_and_frees_the_slot() -> Non
     assert engine.scheduler.slots.num_free == 8 and not engine.has_work
 
 
-def test_translator_engine_greedy_equals_offline_greedy_while_requests_come_and_go(device: str) -> None:
+@pytest.mark.parametrize("ragged_encode", [True, False])
+def test_translator_engine_greedy_equals_offline_greedy_while_requests_come_and_go(device: str, ragged_encode: bool) -> None:
+    """New sources of different lengths encoded together, side by side (ragged) or padded, then
+    decoded with others joining: each translation is the offline greedy one of its sentence alone."""
     sources = [[5, 9, 13, 7, EOS_ID], [40, EOS_ID], [8, 8, 8, 8, 8, 8, EOS_ID], [21, 33, EOS_ID]]
     requests = [Request(f"t{i}", s, GenerationParams(sampling=GREEDY, max_tokens=12)) for i, s in enumerate(sources)]
     engine = translator_engine(device=device)
+    assert isinstance(engine.runner, TranslatorRunner)
+    engine.runner.ragged_encode = ragged_encode
     batched = run(engine, {0: requests[:2], 3: requests[2:]})
     model = engine.runner.model  # type: ignore[attr-defined]
     for i, s in enumerate(sources):
@@ -137,14 +142,21 @@ def test_cache_rows_read_evenly_spaced_slots_through_a_view() -> None:
     assert isinstance(cache_rows([1, 2, 4], cache.device)[1], torch.Tensor)  # uneven: gathered
 
 
-def test_beam_searches_sharing_source_reads_equal_offline_beam_search(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+@pytest.mark.parametrize("source_kernel", [False, True])
+def test_beam_searches_sharing_source_reads_equal_offline_beam_search(
+    monkeypatch: pytest.MonkeyPatch, device: str, source_kernel: bool
+) -> None:
     """Only beam-4 requests, joining at different steps and leaving as they finish: the engine's
-    dynamic step reads each sentence's cross-attention keys once for its 4 rows (beam_group), and
-    every result equals the offline beam search of that sentence alone."""
+    dynamic step reads each sentence's cross-attention keys once for its 4 rows (beam_group), or,
+    with the CPU kernel, each row its own in place, and every result equals the offline beam
+    search of that sentence alone."""
     sources = [[5, 9, 13, 7, EOS_ID], [40, 41, EOS_ID], [8, 8, 8, EOS_ID], [21, 33, 60, 4, 17, EOS_ID], [11, EOS_ID]]
     engine = translator_engine(device=device, fixed_shape_decode=False)
     runner = engine.runner
     assert isinstance(runner, TranslatorRunner)
+    if source_kernel and not runner.cross_cache.decode_kernel:
+        pytest.skip("the CPU kernels are off (or not on this device)")
+    runner.cross_cache.decode_kernel = source_kernel
     groups: list[int] = []  # beam_group's answer at every decoder step
 
     def recorded(slots_of_requests: list[list[int]], rows: list[int]) -> int:
@@ -164,7 +176,10 @@ def test_beam_searches_sharing_source_reads_equal_offline_beam_search(monkeypatc
         for d in engine.step().deltas:
             if d.finish_reason is not None:
                 finals[d.request_id] = d.text
-    assert 4 in groups, groups  # steps that read each sentence's keys once for its 4 beams
+    if source_kernel:
+        assert groups == []  # no grouping: every row reads its own source in place
+    else:
+        assert 4 in groups, groups  # steps that read each sentence's keys once for its 4 beams
     tokenizer = FakeTokenizer()
     for i, s in enumerate(sources):
         expected = beam_search(runner.model, torch.tensor([s], device=device), beam_size=4, max_new_tokens=8)[0]

@@ -167,3 +167,18 @@ def test_a_state_dict_with_separate_query_key_value_projections_loads_into_qkv_p
     loaded.load_state_dict(old_layout)  # strict: no key missing or left over
     src, tgt = torch.tensor([[5, 6, 7, 2]]), torch.tensor([[1, 8, 9]])
     assert torch.equal(loaded(src, tgt), model(src, tgt))
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "rope"])
+def test_ragged_encode_equals_the_padded_encode_at_real_tokens(positions: str) -> None:
+    """Sources side by side (no padding computed) give each source the encoder output it has when
+    the batch is padded to the longest."""
+    model = tiny_translator(positions)
+    sources = [torch.randint(4, 64, (n,)) for n in (6, 1, 11, 3)]
+    padded = torch.zeros(len(sources), 11, dtype=torch.long)  # pad_id 0
+    for row, source in zip(padded, sources, strict=True):
+        row[: len(source)] = source
+    with torch.inference_mode():
+        ragged = model.encode_ragged(torch.cat(sources), [len(s) for s in sources])[0]  # (N, d)
+        expected = torch.cat([out[: len(s)] for out, s in zip(model.encode(padded), sources, strict=True)])
+    torch.testing.assert_close(ragged, expected, rtol=0, atol=1e-5)

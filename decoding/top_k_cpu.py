@@ -1,0 +1,52 @@
+"""Each row's k most likely tokens and its log-sum-exp, by a C kernel on the CPU (model/csrc/top_k.c,
+built and loaded by model/cpu_kernels.py): one pass over the logits for what a greedy step (k = 1)
+and a beam step (k = 2 x beam size) take from them, where torch reads the whole vocabulary once for
+its argmax, once for log_softmax and once for top-k. torch's operations stay where the kernel is
+off, and for other devices and dtypes."""
+
+import ctypes
+import functools
+
+import torch
+from torch import Tensor
+
+from model import cpu_kernels
+
+
+@functools.cache
+def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The loaded kernel, or None (the CPU kernels are off: model/cpu_kernels.py)."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    return cpu_kernels.load_function("row_top_k", ctypes.c_int, [pointer, size, size, size, pointer, pointer, pointer])
+
+
+def _applies(logits: Tensor) -> bool:
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and kernel() is not None
+
+
+def row_top_k(logits: Tensor, k: int, with_lse: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+    """logits (R, V) without NaN, k <= V. Returns each row's k largest logits (R, k), best first,
+    their ids (R, k) and, with_lse, each row's log-sum-exp (R,) (None otherwise). Of equal logits
+    the kernel lists the lower id first (torch's top-k, where the kernel is off, in no set order)."""
+    R, V = logits.shape
+    assert 1 <= k <= V, f"k = {k} of {V} logits"
+    if not _applies(logits):
+        values, ids = logits.topk(k, dim=-1)
+        return values, ids, torch.logsumexp(logits, dim=-1) if with_lse else None
+    logits = logits.contiguous()
+    values, ids = torch.empty(R, k), torch.empty(R, k, dtype=torch.long)
+    lse = torch.empty(R) if with_lse else None
+    function = kernel()
+    assert function is not None
+    status = function(logits.data_ptr(), R, V, k, values.data_ptr(), ids.data_ptr(), None if lse is None else lse.data_ptr())
+    if status != 0:
+        raise MemoryError("row_top_k: out of memory for its chunk maxima")
+    return values, ids, lse
+
+
+def greedy_ids(logits: Tensor) -> Tensor:
+    """Each row's most likely id (R,) of logits (R, V) without NaN; the first of equal ones, as
+    torch's argmax."""
+    if not _applies(logits):
+        return logits.argmax(-1)
+    return row_top_k(logits, 1, with_lse=False)[1][:, 0]

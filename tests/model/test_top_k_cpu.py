@@ -1,0 +1,76 @@
+"""The row top-k kernel (decoding/top_k_cpu.py) against torch's plain operations, and a beam step
+from each row's top 2K against the step over the whole vocabulary."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decoding import top_k_cpu
+from decoding.beam_search import BeamState, step_beams
+from decoding.top_k_cpu import greedy_ids, row_top_k
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test runs on the kernel (where it builds) and on torch's path."""
+    if request.param == "kernel" and top_k_cpu.kernel() is None:
+        pytest.skip("the CPU kernels are off")
+    if request.param == "torch":
+        monkeypatch.setattr(top_k_cpu, "kernel", lambda: None)
+    return str(request.param)
+
+
+def logits_with_edges(rows: int, vocab: int) -> torch.Tensor:
+    """Random logits with suppressed ids (-inf), a row of -inf only and a row of tied maxima."""
+    logits = 3 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[:, 2] = float("-inf")
+    logits[0] = float("-inf")
+    logits[1, [vocab // 3, vocab // 2, vocab - 1]] = 50.0  # ties: the lowest id first
+    return logits
+
+
+@pytest.mark.parametrize(("vocab", "k"), [(8000, 8), (8001, 1), (100, 5), (13, 13), (200, 64)])
+def test_top_k_and_log_sum_exp_equal_torch(path: str, vocab: int, k: int) -> None:
+    logits = logits_with_edges(6, vocab)
+    values, ids, lse = row_top_k(logits, k)
+    assert lse is not None
+    torch.testing.assert_close(values, logits.topk(k, dim=-1).values, rtol=0, atol=0)
+    assert torch.equal(logits.gather(1, ids), values)
+    tied = [vocab // 3, vocab // 2, vocab - 1][:k]
+    assert ids[1, : len(tied)].tolist() == tied or path == "torch"  # torch orders ties as it likes
+    assert lse[0] == float("-inf")
+    torch.testing.assert_close(lse[1:], torch.logsumexp(logits[1:], dim=-1), rtol=1e-6, atol=1e-6)
+    assert row_top_k(logits, k, with_lse=False)[2] is None
+
+
+def test_greedy_ids_are_argmax_with_its_ties(path: str) -> None:
+    logits = logits_with_edges(5, 8000)
+    logits[0, 7] = 0.0  # not a row of -inf only: argmax picks among finite values
+    assert torch.equal(greedy_ids(logits), logits.argmax(-1))
+
+
+def step_over_the_vocabulary(states: list[BeamState], logits: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """The plain beam step: every beam x token candidate scored, one top-2K per sentence."""
+    log_probs = F.log_softmax(logits, dim=-1)
+    moves, first = [], 0
+    for state in states:
+        K, V = state.beam_size, logits.shape[-1]
+        candidates = (state.scores[:, None] + log_probs[first : first + K]).view(-1)  # (K x V,)
+        scores, index = candidates.topk(2 * K)
+        moves.append(state.advance(scores.tolist(), index.tolist(), V))
+        first += K
+    return moves
+
+
+def test_a_beam_step_from_each_rows_top_2k_equals_the_step_over_the_vocabulary(path: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    beam_sizes = [4, 2, 4, 1]
+    fast, plain = ([BeamState(k, 20, eos_id=3) for k in beam_sizes] for _ in range(2))
+    for _ in range(6):  # steps: the first expands beam 0 only, later ones every live beam, some ending at eos
+        logits = 2 * torch.randn(sum(beam_sizes), 500, generator=generator)
+        logits[:, 3] += 1.0  # eos often among the best
+        logits[:, 5] = float("-inf")  # a suppressed id
+        assert step_beams(fast, logits) == step_over_the_vocabulary(plain, logits)
+        for a, b in zip(fast, plain, strict=True):
+            assert a.sequences == b.sequences and len(a.finished) == len(b.finished)
+            torch.testing.assert_close(a.scores, b.scores, rtol=0, atol=1e-5)
