@@ -17,28 +17,43 @@ from model import cpu_kernels
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The loaded kernel, or None (the CPU kernels are off: model/cpu_kernels.py)."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    return cpu_kernels.load_function("row_top_k", ctypes.c_int, [pointer, size, size, size, pointer, pointer, pointer])
+    return cpu_kernels.load_function("row_top_k", ctypes.c_int, [pointer, pointer, size, size, size, pointer, pointer, pointer])
 
 
 def _applies(logits: Tensor) -> bool:
     return logits.device.type == "cpu" and logits.dtype == torch.float32 and kernel() is not None
 
 
-def row_top_k(logits: Tensor, k: int, with_lse: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
-    """logits (R, V) without NaN, k <= V. Returns each row's k largest logits (R, k), best first,
-    their ids (R, k) and, with_lse, each row's log-sum-exp (R,) (None otherwise). Of equal logits
-    the kernel lists the lower id first (torch's top-k, where the kernel is off, in no set order)."""
-    R, V = logits.shape
+def row_top_k(logits: Tensor, k: int, with_lse: bool = True, rows: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """logits (N, V) without NaN, k <= V; rows (R,): which rows, in that order (None: all, R = N),
+    read where they lie (no copy of the logits). Returns each row's k largest logits (R, k), best
+    first, their ids (R, k) and, with_lse, each row's log-sum-exp (R,) (None otherwise). Of equal
+    logits the kernel lists the lower id first (torch's top-k, where the kernel is off, in no set order)."""
+    V = logits.shape[1]
     assert 1 <= k <= V, f"k = {k} of {V} logits"
     if not _applies(logits):
-        values, ids = logits.topk(k, dim=-1)
-        return values, ids, torch.logsumexp(logits, dim=-1) if with_lse else None
+        chosen = logits if rows is None else logits.index_select(0, rows.to(logits.device))
+        values, ids = chosen.topk(k, dim=-1)
+        return values, ids, torch.logsumexp(chosen, dim=-1) if with_lse else None
     logits = logits.contiguous()
+    index = None if rows is None else rows.to(torch.int64).contiguous()
+    R = logits.shape[0] if index is None else index.shape[0]
+    if index is not None:
+        assert R == 0 or (int(index.min()) >= 0 and int(index.max()) < logits.shape[0]), "rows out of range"
     values, ids = torch.empty(R, k), torch.empty(R, k, dtype=torch.long)
     lse = torch.empty(R) if with_lse else None
     function = kernel()
     assert function is not None
-    status = function(logits.data_ptr(), R, V, k, values.data_ptr(), ids.data_ptr(), None if lse is None else lse.data_ptr())
+    status = function(
+        logits.data_ptr(),
+        None if index is None else index.data_ptr(),
+        R,
+        V,
+        k,
+        values.data_ptr(),
+        ids.data_ptr(),
+        None if lse is None else lse.data_ptr(),
+    )
     if status != 0:
         raise MemoryError("row_top_k: out of memory for its chunk maxima")
     return values, ids, lse

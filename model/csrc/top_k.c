@@ -46,15 +46,17 @@ static inline int64_t insert(float *values, int64_t *ids, int64_t count, int64_t
     return count < k ? count + 1 : count;
 }
 
-/* logits (rows, vocab) contiguous, without NaN, vocab >= k >= 1. Writes values, ids (rows, k): each
- * row's k largest logits and their ids, best first; lse (rows,), unless NULL: log(sum(exp(row))),
- * -inf for a row of -inf only. Returns 0; -1 when k is out of range, -2 when out of memory.
+/* logits (n, vocab) contiguous, without NaN, vocab >= k >= 1; row_index (rows,): the rows to read,
+ * in order (NULL: rows 0 .. rows - 1). Writes values, ids (rows, k): each such row's k largest
+ * logits and their ids, best first; lse (rows,), unless NULL: log(sum(exp(row))), -inf for a row
+ * of -inf only. Returns 0; -1 when k is out of range, -2 when out of memory.
  *
  * A row is read in chunks: first each chunk's largest logit (a vectorised pass), then only the
  * chunks whose largest is at least the k-th largest of those, element by element, in order. The
  * k-th largest chunk maximum is a lower bound of the row's k-th largest logit (k chunks hold one at
  * least as large each), so every logit of the k best is in a chunk that is read. */
-int row_top_k(const float *logits, int64_t rows, int64_t vocab, int64_t k, float *values, int64_t *ids, float *lse) {
+int row_top_k(const float *logits, const int64_t *row_index, int64_t rows, int64_t vocab, int64_t k, float *values, int64_t *ids,
+              float *lse) {
     if (k < 1 || k > vocab) return -1;
     const int64_t chunks = (vocab + CHUNK - 1) / CHUNK;
     float *chunk_top = malloc(sizeof(float) * (size_t)(chunks + k)); /* each chunk's largest, then the k largest of those */
@@ -66,7 +68,7 @@ int row_top_k(const float *logits, int64_t rows, int64_t vocab, int64_t k, float
     }
     float *bound = chunk_top + chunks;
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = logits + r * vocab;
+        const float *row = logits + (row_index == NULL ? r : row_index[r]) * vocab;
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t first = c * CHUNK, n = vocab - first < CHUNK ? vocab - first : CHUNK;
             float top = -INFINITY;

@@ -415,16 +415,16 @@ class TranslatorRunner:
         """One decoder step for every running sequence (each beam a row), then beams are reordered:
         a row that continues another row's beam takes its blocks (block_table fork)."""
         fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
-        logits = self.decode_logits(fed, [r.slots for r in requests], max(len(r.prompt_ids) for r in requests))  # (R, V)
+        logits, fed_rows = self.step_logits(fed, [r.slots for r in requests], max(len(r.prompt_ids) for r in requests))  # (N, V)
         suppress(logits, self.suppressed)  # once for the step's beams and streamed rows alike
-        row_of = {slot: i for i, slot in enumerate(fed)}
+        row_of = dict(zip(fed, fed_rows, strict=True))
         beams = [r for r in requests if r.beams is not None]
         streamed = [r for r in requests if r.beams is None]
         if beams:
-            beam_logits = in_order(logits, [row_of[s] for r in beams for s in r.slots])  # (sum of K, V)
+            beam_rows = torch.tensor([row_of[s] for r in beams for s in r.slots])  # (sum of K,): read in place, not copied
             states = [r.beams for r in beams if r.beams is not None]
             copies = []
-            for r, state, (parents, _) in zip(beams, states, step_beams(states, beam_logits), strict=True):
+            for r, state, (parents, _) in zip(beams, states, step_beams(states, logits, beam_rows), strict=True):
                 # A row that continues itself keeps its blocks; one that continues another's beam takes its.
                 pairs = [(str(r.slots[parent]), str(r.slots[beam])) for beam, parent in enumerate(parents) if parent != beam]
                 copies += self.blocks.fork(pairs, fed[r.slots[0]][1] + 1)
@@ -440,22 +440,29 @@ class TranslatorRunner:
             output.tokens.update({r.request_id: t for r, t in zip(streamed, sampled, strict=True)})
 
     def decode_logits(self, fed: Fed, slots_of_requests: list[list[int]], source_length: int) -> Tensor:
-        """Next-token logits (R, V) of one decoder step, a row per sequence of fed (slot -> (token,
-        position); blocks allocated to hold it) in its order, suppressed ids not yet applied; source_length:
-        the longest source. The fixed-shape step, or the dynamic one: it runs the span of rows
+        """Next-token logits (R, V) of one decoder step, a row per sequence of fed, in its order: `step_logits`'s."""
+        return in_order(*self.step_logits(fed, slots_of_requests, source_length))
+
+    def step_logits(self, fed: Fed, slots_of_requests: list[list[int]], source_length: int) -> tuple[Tensor, list[int]]:
+        """Next-token logits (N, V) of one decoder step, and the row of each sequence of fed (slot ->
+        (token, position); blocks allocated to hold it) among them, in fed's order; suppressed ids
+        not yet applied; source_length: the longest source. The fixed-shape step (rows in fed's
+        order), or the dynamic one: it runs the span of rows
         `decode_rows` picks, idle rows included (at position 0 of the null block); each row's
-        source keys read in place by the CPU kernel, or else through views of the cross cache, and
+        source keys read in place by the CPU kernel (a sentence's beams all from its first slot's
+        copy, which stays in the CPU's caches between them), or else through views of the cross cache, and
         when the rows are aligned blocks of one beam width (`beam_group`, from each request's
         slots), a sentence's beams read its source keys once."""
         for slot, (_, position) in fed.items():
             assert self.blocks.allocate(str(slot), position + 1), "the pool holds every slot's whole context"
         paged = {slot: (token, position, self.blocks.table(str(slot))) for slot, (token, position) in fed.items()}
         if self.fixed_shape is not None:
-            return self.fixed_shape(paged, source_length)
+            return self.fixed_shape(paged, source_length), list(range(len(fed)))
         rows = decode_rows(list(fed))
         memory_kv: list[tuple[Tensor, Tensor]] | list[SourceLayer]
         if self.cross_cache.decode_kernel:  # each row's source keys read in place by the CPU kernel
-            group, memory_kv, src_mask = 1, self.cross_cache.layers(rows), None
+            first = {slot: slots[0] for slots in slots_of_requests for slot in slots}  # a sentence's beams read one copy
+            group, memory_kv, src_mask = 1, self.cross_cache.layers([first.get(row, row) for row in rows]), None
         else:
             group = beam_group(slots_of_requests, rows)  # rows sharing a source: read its keys once
             memory_kv, src_mask = self.cross_cache.read(rows[::group], source_length)
@@ -467,7 +474,7 @@ class TranslatorRunner:
         positions_tensor = torch.tensor(positions, device=self.device)[:, None]
         logits = self.model.decode(ids_tensor, memory_kv, src_mask, positions_tensor, layers, 0, group)[:, -1]  # (rows, V)
         row_of = {row: i for i, row in enumerate(rows)}
-        return in_order(logits, [row_of[s] for s in fed])
+        return logits, [row_of[s] for s in fed]
 
     @staticmethod
     def _step_of(r: Request) -> int:

@@ -43,6 +43,15 @@ def test_top_k_and_log_sum_exp_equal_torch(path: str, vocab: int, k: int) -> Non
     assert row_top_k(logits, k, with_lse=False)[2] is None
 
 
+def test_rows_are_read_in_place_in_the_order_given(path: str) -> None:
+    logits = logits_with_edges(7, 300)
+    rows = torch.tensor([5, 1, 1, 6, 3])
+    got = row_top_k(logits, 4, rows=rows)
+    expected = row_top_k(logits.index_select(0, rows), 4)
+    for a, b in zip(got, expected, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
 def test_greedy_ids_are_argmax_with_its_ties(path: str) -> None:
     logits = logits_with_edges(5, 8000)
     logits[0, 7] = 0.0  # not a row of -inf only: argmax picks among finite values
@@ -70,7 +79,9 @@ def test_a_beam_step_from_each_rows_top_2k_equals_the_step_over_the_vocabulary(p
         logits = 2 * torch.randn(sum(beam_sizes), 500, generator=generator)
         logits[:, 3] += 1.0  # eos often among the best
         logits[:, 5] = float("-inf")  # a suppressed id
-        assert step_beams(fast, logits) == step_over_the_vocabulary(plain, logits)
+        shuffled = torch.randperm(len(logits), generator=generator)  # the beams' rows among a step's, read in place
+        in_step = torch.empty_like(logits).index_copy_(0, shuffled, logits)
+        assert step_beams(fast, in_step, shuffled) == step_over_the_vocabulary(plain, logits)
         for a, b in zip(fast, plain, strict=True):
             assert a.sequences == b.sequences and len(a.finished) == len(b.finished)
             torch.testing.assert_close(a.scores, b.scores, rtol=0, atol=1e-5)
