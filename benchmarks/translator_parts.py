@@ -15,7 +15,7 @@ the runs taking turns (the best of --repeats each):
   row top-k kernel (off: torch's argmax, top-k and logsumexp; decoding/top_k_cpu.py).
 Prints sentences/s and each part's speed-up (all on / that part off), and whether the translations
 are the same; with --json the last line is one JSON object (<work>_<part>_speedup, ...). --quick
-(64 sentences, one repeat) checks the script.
+(16 sentences, one repeat) checks the script.
 """
 
 import argparse
@@ -80,10 +80,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="64 sentences, one repeat")
+    parser.add_argument("--quick", action="store_true", help="16 sentences, one repeat")
     args = parser.parse_args()
     if args.quick:
-        args.sentences, args.repeats = 64, 1
+        args.sentences, args.repeats = 16, 1
     torch.set_num_threads(args.threads)
     sentences = multi30k_test_set(args.translator, checked(args.translator, "translator"))[0][: args.sentences]
     figures: dict[str, object] = {"commit": commit(), "sentences": len(sentences), "threads": args.threads}

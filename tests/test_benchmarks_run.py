@@ -164,12 +164,12 @@ def test_paged_attention_quick_times_the_kernel_and_the_plain_path() -> None:
 
 def test_translator_parts_quick_turns_each_part_off_and_translates_the_same() -> None:
     """Each part off translates as with every part on (the parts compute the same to float rounding,
-    which could flip a near-tie: all 64 sentences were the same when written), timed beside it."""
+    which could flip a near-tie: all 16 sentences were the same when written), timed beside it."""
     figures = printed_json(run("benchmarks.translator_parts", "--quick", "--json"))
     for work in ("translate_greedy", "translate_beam4"):
         assert figures[f"{work}_sentences_per_s"] > 0
         for part in ("ragged_encode", "source_kernel", "top_k_kernel"):
-            assert figures[f"{work}_{part}_speedup"] > 0 and figures[f"{work}_{part}_same"] >= 0.95
+            assert figures[f"{work}_{part}_speedup"] > 0 and figures[f"{work}_{part}_same"] >= 0.9
 
 
 def test_report_check_finds_every_page_up_to_date() -> None:
