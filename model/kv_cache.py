@@ -7,6 +7,7 @@ layer), so memory is bounded by configuration and the GPU path can capture the s
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,12 @@ class CacheView:
 
 class LayerCaches:
     """Keys and values for n_slots rows of `length` positions, every layer, preallocated:
-    (n_slots, H, length, D) each."""
+    (n_slots, H, length, D) each (`layout`)."""
+
+    @staticmethod
+    def layout(n_slots: int, n_heads: int, length: int, head_dim: int) -> tuple[int, int, int, int]:
+        """The shape of each layer's keys (and values)."""
+        return (n_slots, n_heads, length, head_dim)
 
     def __init__(
         self,
@@ -68,7 +74,7 @@ class LayerCaches:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        shape = (n_slots, n_heads, length, head_dim)
+        shape = self.layout(n_slots, n_heads, length, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.n_slots, self.length = n_slots, length
@@ -109,21 +115,13 @@ class CrossAttentionCache(LayerCaches):
     H, D) per layer: a slot's source is one block of `length` positions. Built with LayerCaches'
     arguments."""
 
-    def __init__(
-        self,
-        n_layers: int,
-        n_slots: int,
-        n_heads: int,
-        length: int,
-        head_dim: int,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        shape = (n_slots, length, n_heads, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.n_slots, self.length = n_slots, length
-        self.src_valid = torch.zeros(n_slots, length, dtype=torch.bool, device=device)
+    @staticmethod
+    def layout(n_slots: int, n_heads: int, length: int, head_dim: int) -> tuple[int, int, int, int]:
+        return (n_slots, length, n_heads, head_dim)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.src_valid = torch.zeros(self.n_slots, self.length, dtype=torch.bool, device=self.keys[0].device)
         self.decode_kernel = paged_attention_cpu.applies(self.keys[0])  # one-token queries attend through the CPU kernel
 
     def write(self, slots: Sequence[Sequence[int]], lengths: Sequence[int], memory_kv: Sequence[tuple[Tensor, Tensor]]) -> None:
