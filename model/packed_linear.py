@@ -32,8 +32,9 @@ from model.layers import replace_linear_layers
 from model.translator import Translator
 
 PANEL = 32  # output columns per panel (model/csrc/panel_linear.c)
-# Up to this many rows the panel kernel runs (where it is built, torch on one thread).
-MAX_PANEL_ROWS = 32
+# Up to this many rows the panel kernel runs (where it is built, torch on one thread): beyond 32
+# rows oneDNN pads to a multiple of 16, and up to 64 the panels were faster (docs/performance.md).
+MAX_PANEL_ROWS = 64
 # oneDNN picks its blocked layout for this many rows: the engine's typical decode batch.
 PACKED_FOR_ROWS = 64
 # oneDNN keeps a compiled kernel, with memory of its own, for every number of rows it has seen
