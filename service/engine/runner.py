@@ -439,10 +439,6 @@ class TranslatorRunner:
             sampled = _sample(streamed_logits, streamed, self.eos_ids)
             output.tokens.update({r.request_id: t for r, t in zip(streamed, sampled, strict=True)})
 
-    def decode_logits(self, fed: Fed, slots_of_requests: list[list[int]], source_length: int) -> Tensor:
-        """Next-token logits (R, V) of one decoder step, a row per sequence of fed, in its order: `step_logits`'s."""
-        return in_order(*self.step_logits(fed, slots_of_requests, source_length))
-
     def step_logits(self, fed: Fed, slots_of_requests: list[list[int]], source_length: int) -> tuple[Tensor, list[int]]:
         """Next-token logits (N, V) of one decoder step, and the row of each sequence of fed (slot ->
         (token, position); blocks allocated to hold it) among them, in fed's order; suppressed ids

@@ -20,7 +20,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.fixed_shape import PagedFed, StepShape, bucket, buckets
 from service.engine.request import GenerationParams, Request
-from service.engine.runner import GeneratorRunner, TranslatorRunner
+from service.engine.runner import GeneratorRunner, TranslatorRunner, in_order
 from tests.engine.helpers import PROMPTS, FakeTokenizer, context_sensitive_generator, run
 
 N_SLOTS = 9  # batch buckets 1, 2, 4, 8, 9
@@ -146,8 +146,8 @@ def test_bucketed_translator_step_equals_the_dynamic_step_at_every_bucket_bounda
                 if beam_blocks:  # every slot up to an even count
                     fed = {s: fed.get(s, (7, length - 1)) for s in range(min(batch + batch % 2, N_SLOTS - 1))}
                 slots_of_requests = [list(fed)[i : i + 2] for i in range(0, len(fed), 2)] if beam_blocks else [[s] for s in fed]
-                expected = dynamic.decode_logits(fed, slots_of_requests, sources)
-                got = fixed.decode_logits(fed, slots_of_requests, sources)
+                expected = in_order(*dynamic.step_logits(fed, slots_of_requests, sources))  # (R, V) in fed's order
+                got = in_order(*fixed.step_logits(fed, slots_of_requests, sources))
                 assert_same_logits(got, expected, f"batch {batch}, length {length}, source {sources}")
 
 
