@@ -443,12 +443,12 @@ class TranslatorRunner:
         """Next-token logits (N, V) of one decoder step, and the row of each sequence of fed (slot ->
         (token, position); blocks allocated to hold it) among them, in fed's order; suppressed ids
         not yet applied; source_length: the longest source. The fixed-shape step (rows in fed's
-        order), or the dynamic one: it runs the span of rows
-        `decode_rows` picks, idle rows included (at position 0 of the null block); each row's
-        source keys read in place by the CPU kernel (a sentence's beams all from its first slot's
-        copy, which stays in the CPU's caches between them), or else through views of the cross cache, and
-        when the rows are aligned blocks of one beam width (`beam_group`, from each request's
-        slots), a sentence's beams read its source keys once."""
+        order), or the dynamic one: it runs the span of rows `decode_rows` picks, idle rows
+        included (at position 0 of the null block). Each row's source keys are read in place by
+        the CPU kernel (a sentence's beams all from its first slot's copy, which stays in the CPU's
+        caches between them), or else through views of the cross cache, where a sentence's beams
+        read its keys once when the rows are aligned blocks of one beam width (`beam_group`, from
+        each request's slots)."""
         for slot, (_, position) in fed.items():
             assert self.blocks.allocate(str(slot), position + 1), "the pool holds every slot's whole context"
         paged = {slot: (token, position, self.blocks.table(str(slot))) for slot, (token, position) in fed.items()}
