@@ -33,8 +33,9 @@ from model.translator import Translator
 
 PANEL = 32  # output columns per panel (model/csrc/panel_linear.c)
 # Up to this many rows the panel kernel runs (where it is built, torch on one thread): beyond 32
-# rows oneDNN pads to a multiple of 16, and up to 64 the panels were faster (docs/performance.md).
-MAX_PANEL_ROWS = 64
+# rows oneDNN pads to a multiple of 16, and up to 128 the panels were as fast or faster, layer by
+# layer, and 1.05-1.15x on greedy translation (docs/performance.md).
+MAX_PANEL_ROWS = 128
 # oneDNN picks its blocked layout for this many rows: the engine's typical decode batch.
 PACKED_FOR_ROWS = 64
 # oneDNN keeps a compiled kernel, with memory of its own, for every number of rows it has seen

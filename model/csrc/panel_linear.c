@@ -1,4 +1,4 @@
-/* Linear layers of a few rows on the CPU, float32: y = x W^T + b for the 1 to 64 rows of a decode
+/* Linear layers of a few rows on the CPU, float32: y = x W^T + b for the 1 to 128 rows of a decode
  * step, reading the weight once, at memory speed, from a panel layout: W (out, in) cut into panels
  * of PANEL output columns, each stored (in, PANEL) contiguous, the last zero-padded. A panel's 32
  * columns are 2 vectors of 16 floats; up to 8 rows at a time accumulate 16 vectors in registers,
