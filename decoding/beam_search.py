@@ -77,11 +77,11 @@ class BeamState:
 def step_beams(states: list[BeamState], logits: Tensor, rows: Tensor | None = None) -> list[tuple[list[int], list[int]]]:
     """One step of several sentences' searches: logits (N, V), suppressed ids at -inf, whose rows
     `rows` (sum of the beam sizes,) are each sentence's live beams in order (None: all N rows, in
-    order), read where they lie. A beam's candidates are its 2K most
-    likely tokens (no other of its tokens can be among its sentence's 2K best), scored by its score
-    plus their log-probabilities (logit less the row's log-sum-exp); one top-k over the K x 2K
-    candidates of each sentence serves all the sentences of a beam size. Returns each sentence's
-    (parents, tokens), K each: live beam i continues beam parents[i] with tokens[i]."""
+    order), read where they lie. A beam's candidates are its 2K most likely tokens (no other of its
+    tokens can be among its sentence's 2K best), scored by its score plus their log-probabilities
+    (logit less the row's log-sum-exp); one top-k over the K x 2K candidates of each sentence serves
+    all the sentences of a beam size. Returns each sentence's (parents, tokens), K each: live beam
+    i continues beam parents[i] with tokens[i]."""
     V = logits.shape[-1]
     widest = min(2 * max(state.beam_size for state in states), V)
     top_logits, top_ids, lse = row_top_k(logits.float().cpu(), widest, rows=rows)  # (R, widest) twice, (R,)

@@ -79,12 +79,10 @@ class LayerCaches:
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.n_slots, self.length = n_slots, length
 
-    def copy_slots(self, src: Tensor, dst: Tensor, length: int | None = None) -> None:
-        """Row dst[i] becomes a copy of row src[i] (beam search reordering), positions [0, length)
-        only (default: all); sources are read first."""
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Row dst[i] becomes a copy of row src[i] (beam search reordering); sources are read first."""
         for cache in self.keys + self.values:
-            prefix = cache if length is None else cache[:, :, :length]  # a view: the copy writes the cache
-            prefix.index_copy_(0, dst, prefix.index_select(0, src))
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
     @property
     def nbytes(self) -> int:
@@ -165,11 +163,8 @@ class CrossAttentionCache(LayerCaches):
         blocks = index[:, None]  # (B, 1): a slot's source is its own block
         return [SourceLayer(k, v, blocks, lengths) for k, v in zip(self.keys, self.values, strict=True)]
 
-    def copy_slots(self, src: Tensor, dst: Tensor, length: int | None = None) -> None:
-        """Slot dst[i] becomes a copy of slot src[i], positions [0, length) only (default: all)."""
-        for cache in self.keys + self.values:
-            prefix = cache if length is None else cache[:, :length]  # a view: the copy writes the cache
-            prefix.index_copy_(0, dst, prefix.index_select(0, src))
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        super().copy_slots(src, dst)
         self.src_valid[dst] = self.src_valid[src]
 
 
