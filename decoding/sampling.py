@@ -87,9 +87,12 @@ def sample_next(logits: Tensor, params: list[SamplingParams], generators: list[t
     the same whatever shares its batch), inverted through the row's cumulative probabilities.
     NaN or infinite logits (a poisoned row) fall back to the row's argmax of the finite values.
     """
-    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-    tokens = greedy_ids(logits)  # (B,)
+    logits = logits.float()
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    # Greedy rows without NaN or +inf (one max over the batch) need no cleaned copy of the logits.
+    if rows or not logits.numel() or not bool(logits.amax() < float("inf")):
+        logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    tokens = greedy_ids(logits)  # (B,)
     if not rows:
         return tokens
     device = logits.device

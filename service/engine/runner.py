@@ -443,23 +443,24 @@ class TranslatorRunner:
         """Next-token logits (N, V) of one decoder step, and the row of each sequence of fed (slot ->
         (token, position); blocks allocated to hold it) among them, in fed's order; suppressed ids
         not yet applied; source_length: the longest source. The fixed-shape step (rows in fed's
-        order), or the dynamic one: it runs the span of rows `decode_rows` picks, idle rows
-        included (at position 0 of the null block). Each row's source keys are read in place by
-        the CPU kernel (a sentence's beams all from its first slot's copy, which stays in the CPU's
-        caches between them), or else through views of the cross cache, where a sentence's beams
-        read its keys once when the rows are aligned blocks of one beam width (`beam_group`, from
-        each request's slots)."""
+        order), or the dynamic one. There, with the CPU kernel, the rows are fed's, in order, and
+        each reads its source keys in place (a sentence's beams all from its first slot's copy,
+        which stays in the CPU's caches between them); else the step runs the span of rows
+        `decode_rows` picks, idle rows included (at position 0 of the null block), reading the
+        sources through views of the cross cache, where a sentence's beams read its keys once
+        when the rows are aligned blocks of one beam width (`beam_group`, from each request's slots)."""
         for slot, (_, position) in fed.items():
             assert self.blocks.allocate(str(slot), position + 1), "the pool holds every slot's whole context"
         paged = {slot: (token, position, self.blocks.table(str(slot))) for slot, (token, position) in fed.items()}
         if self.fixed_shape is not None:
             return self.fixed_shape(paged, source_length), list(range(len(fed)))
-        rows = decode_rows(list(fed))
         memory_kv: list[tuple[Tensor, Tensor]] | list[SourceLayer]
         if self.cross_cache.decode_kernel:  # each row's source keys read in place by the CPU kernel
+            rows = list(fed)  # in fed's order, no idle rows: every cache is read through tables
             first = {slot: slots[0] for slots in slots_of_requests for slot in slots}  # a sentence's beams read one copy
-            group, memory_kv, src_mask = 1, self.cross_cache.layers([first.get(row, row) for row in rows]), None
+            group, memory_kv, src_mask = 1, self.cross_cache.layers([first[row] for row in rows]), None
         else:
+            rows = decode_rows(list(fed))
             group = beam_group(slots_of_requests, rows)  # rows sharing a source: read its keys once
             memory_kv, src_mask = self.cross_cache.read(rows[::group], source_length)
         idle: tuple[int, int, list[int]] = (self.pad_id, 0, [])

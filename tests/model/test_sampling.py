@@ -30,6 +30,19 @@ def test_nan_logits_fall_back_to_argmax() -> None:
     assert int(sample_next(logits, [SamplingParams(temperature=1.0)], [None])[0]) == 2
 
 
+def test_greedy_rows_skip_the_cleanup_only_when_no_row_is_poisoned() -> None:
+    greedy = SamplingParams(temperature=0.0)
+    wide = torch.randn(3, 8000)  # the CPU kernel's width (decoding/top_k_cpu.py)
+    wide[1, 17] = float("nan")
+    wide[2, 4000] = float("inf")
+    wide[0, :] = float("-inf")
+    expected = [0, int(wide[1].nan_to_num(nan=float("-inf")).argmax()), 4000]
+    assert sample_next(wide, [greedy] * 3, [None] * 3).tolist() == expected
+    clean = torch.randn(4, 8000)
+    assert torch.equal(sample_next(clean, [greedy] * 4, [None] * 4), clean.argmax(-1))
+    assert sample_next(clean[:0], [], []).shape == (0,)
+
+
 def test_repetition_penalty_is_transformers_on_the_prompt_and_output_tokens() -> None:
     torch.manual_seed(0)
     logits = torch.randn(50) * 3  # positive and negative logits
