@@ -3,14 +3,32 @@ holding back text that might still become a stop string. As vLLM's, no stop stri
 text of the first `min_tokens` tokens."""
 
 import codecs
+from typing import Protocol
 
-from loading.tokenizer import TextTokenizer
+
+class Pieces(Protocol):
+    """What a detokenizer reads of a tokenizer (loading/tokenizer.py's TextTokenizer has it)."""
+
+    def piece_bytes(self, token_id: int) -> bytes: ...
+
+
+class PieceBytes:
+    """A tokenizer's piece_bytes, each token's computed once (a tokenizer takes several calls into
+    its library for one): shared by every request's detokenizer."""
+
+    def __init__(self, tokenizer: Pieces) -> None:
+        self.tokenizer = tokenizer
+        self._bytes: dict[int, bytes] = {}
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        piece = self._bytes.get(token_id)
+        if piece is None:
+            piece = self._bytes[token_id] = self.tokenizer.piece_bytes(token_id)
+        return piece
 
 
 class IncrementalDetokenizer:
-    def __init__(
-        self, tokenizer: TextTokenizer, stop: tuple[str, ...] = (), strip_leading_space: bool = False, min_tokens: int = 0
-    ) -> None:
+    def __init__(self, tokenizer: Pieces, stop: tuple[str, ...] = (), strip_leading_space: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.min_tokens = min_tokens

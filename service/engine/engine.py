@@ -12,7 +12,7 @@ import torch
 from loading.checkpoint import WeightType, load_checkpoint
 from model.packed_linear import pack_linear_layers, packing_available
 from service.engine.config import EngineConfig, FinishReason, TokenLogprob
-from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.detokenizer import IncrementalDetokenizer, PieceBytes
 from service.engine.errors import InvalidRequestError
 from service.engine.grammar import GrammarCompiler
 from service.engine.kv_blocks import KVBlockManager
@@ -85,6 +85,7 @@ class Engine:
         self.blocks = None if pool is None else KVBlockManager(pool.num_blocks, pool.block_size, pool.prefix_caching, pool.salt)
         self.scheduler = Scheduler(config.n_slots, *limits) if self.blocks is None else BlockScheduler(self.blocks, config.n_slots, *limits)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pieces = PieceBytes(runner.tokenizer)  # every request's detokenizer reads its tokens' bytes here
         self.grammars = GrammarCompiler(runner.tokenizer, runner.eos_ids)
         self.counters = EngineCounters()
         self.on_step: Callable[[StepReport], None] | None = None  # e.g. metrics; called from the stepping thread
@@ -155,9 +156,7 @@ class Engine:
         self.scheduler.add(request)
         if request.params.structured is not None:
             request.grammar = self.grammars.matcher(request.params.structured)
-        detokenizer = IncrementalDetokenizer(
-            self.runner.tokenizer, request.params.stop, self.runner.strip_leading_space, request.params.min_tokens
-        )
+        detokenizer = IncrementalDetokenizer(self._pieces, request.params.stop, self.runner.strip_leading_space, request.params.min_tokens)
         self._detokenizers[request.request_id] = detokenizer
 
     def abort(self, request_id: str) -> None:
