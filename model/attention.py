@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model import paged_attention_cpu
 from model.kv_cache import PagedLayer, SourceLayer
 from model.positions import apply_rope
 
@@ -47,44 +46,20 @@ def scaled_dot_product_attention(
 
 class Segments:
     """Sequences side by side in one row, (1, N) tokens, the i-th `lengths[i]` long: each attends
-    over its own tokens only (bidirectionally), so that a batch of sources of different lengths is
-    encoded without padding. Where the CPU's paged decode kernel applies (float32 on the CPU,
-    model/paged_attention_cpu.py), it attends every token in one call, each over its segment's
-    keys read as a pool of one-token blocks; elsewhere SDPA runs segment by segment."""
+    over its own tokens only (bidirectionally). A block-diagonal mask, computed block by block, so
+    that a batch of sources of different lengths is encoded without padding."""
 
     def __init__(self, lengths: Sequence[int]) -> None:
-        self.lengths = list(lengths)
         self.bounds = list(itertools.pairwise(itertools.accumulate(lengths, initial=0)))  # [first, last) of each
-        self._tables: tuple[Tensor, Tensor] | None = None
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q: (1, H, N, D); k, v: (1, Hkv, N, D). Returns (1, H, N, D)."""
+        """q, k, v: (1, H, N, D). Returns (1, H, N, D)."""
         if len(self.bounds) == 1:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
-        if paged_attention_cpu.applies(k) and q.dtype == k.dtype:
-            tables, lengths = self._token_tables(q.device)
-            keys, values = (t[0].transpose(0, 1).contiguous()[:, None] for t in (k, v))  # (N, 1, Hkv, D): a block per token
-            return paged_attention_cpu.paged_decode_attention(q[0].transpose(0, 1), keys, values, tables, lengths).transpose(0, 1)[None]
+            return F.scaled_dot_product_attention(q, k, v)
         out = torch.empty_like(q)
-        grouped = k.shape[1] != q.shape[1]
         for first, last in self.bounds:
-            rows = slice(first, last)
-            out[:, :, rows] = F.scaled_dot_product_attention(q[:, :, rows], k[:, :, rows], v[:, :, rows], enable_gqa=grouped)
+            out[:, :, first:last] = F.scaled_dot_product_attention(q[:, :, first:last], k[:, :, first:last], v[:, :, first:last])
         return out
-
-    def _token_tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """Each token's keys as the kernel reads them: the token indices of its segment (N,
-        longest), past its length repeating its segment's last, and that length (N,). Built once,
-        for every layer."""
-        if self._tables is None:
-            lengths = torch.tensor(self.lengths, device=device)  # (S,)
-            firsts = torch.tensor([first for first, _ in self.bounds], device=device)  # (S,)
-            token_lengths = lengths.repeat_interleave(lengths)  # (N,)
-            token_firsts = firsts.repeat_interleave(lengths)  # (N,)
-            offsets = torch.arange(max(self.lengths), device=device)[None]  # (1, longest)
-            tables = token_firsts[:, None] + torch.minimum(offsets, token_lengths[:, None] - 1)  # (N, longest)
-            self._tables = tables, token_lengths
-        return self._tables
 
 
 class MultiHeadAttention(nn.Module):

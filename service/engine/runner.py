@@ -333,12 +333,15 @@ class TranslatorRunner:
         max_context: int | None = None,
         fixed_shape_decode: bool | None = None,
         block_size: int = EngineConfig.block_size,
+        encoded_ahead_tokens: int = 2 * EngineConfig.max_num_batched_tokens,
     ) -> None:
         """max_context: EngineConfig.max_context (None: its default), the length of the source
         (cross-attention) and target caches. fixed_shape_decode: as GeneratorRunner's. The
         decoder's self-attention keys are paged (blocks of block_size tokens, a pool that holds
         every slot's whole context and a block per slot for beam forks, so that a step never
-        waits for one); a beam that continues another shares its full blocks and copies its last."""
+        waits for one); a beam that continues another shares its full blocks and copies its last.
+        encoded_ahead_tokens: the most source tokens whose cross-attention keys and values are kept
+        for requests still waiting (encoded with an earlier step's sources: `_encode`); 0: none."""
         c = model.config
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -356,6 +359,10 @@ class TranslatorRunner:
         self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
         self.kv_pool = None  # admission by slots (a beam a slot): the pool always holds them
         self.ragged_encode = model.positions.alibi_slopes is None  # new sources side by side (ALiBi's biases: padded)
+        # Request id -> its source's cross-attention keys and values, per layer ((S, H, D) each), for
+        # requests still waiting whose sources were encoded ahead.
+        self.encoded_ahead: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        self.encoded_ahead_tokens = encoded_ahead_tokens
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
         capture = self.device.type == "cuda"
@@ -384,27 +391,57 @@ class TranslatorRunner:
         output = RunnerOutput()
         if plan.prefill:
             started = time.perf_counter()
-            self._encode(plan.prefill)
+            self._encode(plan.prefill, plan.upcoming)
             output.prefill_seconds = time.perf_counter() - started
         self._decode(plan.prefill + plan.decode, output, plan.grammar)
         return output
 
-    def _encode(self, requests: list[Request]) -> None:
-        """The sources side by side, without padding (ragged_encode; else padded to the longest);
-        each beam row gets its own copy of its sentence's keys and values."""
-        lengths = [len(r.prompt_ids) for r in requests]
-        if self.ragged_encode:
-            ids = torch.tensor([t for r in requests for t in r.prompt_ids], device=self.device)  # (N,)
-            memory = self.model.encode_ragged(ids, lengths)  # (1, N, d)
-            memory_kv = [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v in self.model.cross_key_values(memory)]  # (N, H, D)
-        else:
-            src = pad_batch([r.prompt_ids for r in requests], self.pad_id).to(self.device)  # (B, S)
-            real = src != self.pad_id  # (B, S)
-            memory_kv = [(k.transpose(1, 2)[real], v.transpose(1, 2)[real]) for k, v in self.model.cross_key_values(self.model.encode(src))]
-        self.cross_cache.write([r.slots for r in requests], lengths, memory_kv)
+    def _encode(self, requests: list[Request], upcoming: list[Request]) -> None:
+        """The admitted requests' cross-attention keys and values written to their slots (each beam
+        row its own copy of its sentence's). Sources encoded ahead are taken as they are; the others
+        go through the encoder together, and with them, up to encoded_ahead_tokens, the upcoming
+        requests' (still waiting, next in line): their keys are kept for the step that admits
+        them, so that the encoder runs once for several steps' sources, in a batch of many rows.
+        Kept keys of a request no longer upcoming (it ended while waiting) go at the next admission."""
+        fresh = [r for r in requests if r.request_id not in self.encoded_ahead]
+        keys_values = {r.request_id: self.encoded_ahead.pop(r.request_id) for r in requests if r.request_id in self.encoded_ahead}
+        next_in_line = {r.request_id for r in upcoming}
+        for stale in [i for i in self.encoded_ahead if i not in next_in_line]:  # ended while waiting, or no longer next
+            del self.encoded_ahead[stale]
+        if fresh:
+            ahead = []
+            room = self.encoded_ahead_tokens - sum(kv[0][0].shape[0] for kv in self.encoded_ahead.values())
+            for r in upcoming:
+                if r.request_id not in self.encoded_ahead and len(r.prompt_ids) <= room:
+                    ahead.append(r)
+                    room -= len(r.prompt_ids)
+            encoded = fresh + ahead
+            memory_kv = self._encode_sources([r.prompt_ids for r in encoded])  # per layer (N, H, D) each
+            first = 0
+            for r in encoded:
+                n = len(r.prompt_ids)
+                keys_values[r.request_id] = [(k[first : first + n], v[first : first + n]) for k, v in memory_kv]
+                first += n
+            for r in ahead:  # copies: the step's batch is not kept for them
+                self.encoded_ahead[r.request_id] = [(k.clone(), v.clone()) for k, v in keys_values.pop(r.request_id)]
+        layers = zip(*(keys_values[r.request_id] for r in requests), strict=True)  # per layer, each request's (k, v)
+        memory_kv = [(torch.cat([k for k, _ in layer]), torch.cat([v for _, v in layer])) for layer in layers]  # (N, H, D)
+        self.cross_cache.write([r.slots for r in requests], [len(r.prompt_ids) for r in requests], memory_kv)
         for r in requests:
             if r.params.beam_size > 1:
                 r.beams = BeamState(r.params.beam_size, r.max_tokens, self.eos_id, r.params.length_penalty)
+
+    def _encode_sources(self, sources: list[list[int]]) -> list[tuple[Tensor, Tensor]]:
+        """Each decoder layer's cross-attention keys and values of the sources, (N, H, D) each, the
+        sources' tokens one after another: the sources side by side, without padding
+        (ragged_encode), else padded to the longest."""
+        if self.ragged_encode:
+            ids = torch.tensor([t for s in sources for t in s], device=self.device)  # (N,)
+            memory = self.model.encode_ragged(ids, [len(s) for s in sources])  # (1, N, d)
+            return [(k[0].transpose(0, 1), v[0].transpose(0, 1)) for k, v in self.model.cross_key_values(memory)]  # (N, H, D)
+        src = pad_batch(sources, self.pad_id).to(self.device)  # (B, S)
+        real = src != self.pad_id  # (B, S)
+        return [(k.transpose(1, 2)[real], v.transpose(1, 2)[real]) for k, v in self.model.cross_key_values(self.model.encode(src))]
 
     def _last_tokens(self, r: Request) -> list[int]:
         """The token each of the request's rows feeds this step (the decoder's start token first)."""
@@ -481,5 +518,12 @@ class TranslatorRunner:
 
 def runner_for(model: Translator | Generator, tokenizer: TextTokenizer, config: EngineConfig) -> ModelRunner:
     if isinstance(model, Translator):
-        return TranslatorRunner(model, tokenizer, config.n_slots, config.max_context, block_size=config.block_size)
+        return TranslatorRunner(
+            model,
+            tokenizer,
+            config.n_slots,
+            config.max_context,
+            block_size=config.block_size,
+            encoded_ahead_tokens=2 * config.max_num_batched_tokens,
+        )
     return GeneratorRunner(model, tokenizer, config)

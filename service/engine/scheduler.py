@@ -53,6 +53,9 @@ class SchedulerOutput:
     num_tokens: dict[str, int] = field(default_factory=dict)
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # each scheduled request's blocks (a copy)
     preempted: list[Request] = field(default_factory=list)
+    # Scheduler: with prefills, the waiting requests next in line whose prompts fit in the step's
+    # budget left (a translator encodes their sources with this step's: TranslatorRunner).
+    upcoming: list[Request] = field(default_factory=list)
     grammar: "GrammarMasks | None" = None  # the token masks of its requests with a structured output (the engine's)
 
     @property
@@ -122,6 +125,12 @@ class Scheduler:
                 break  # first come, first served: no overtaking by smaller requests
             out.prefill.append(request)
             budget -= len(request.prompt_ids)
+        if out.prefill:
+            for request in self.waiting:
+                budget -= len(request.prompt_ids)
+                if budget < 0:
+                    break
+                out.upcoming.append(request)
         return out
 
     def _admit(self, request: Request) -> bool:

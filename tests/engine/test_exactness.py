@@ -91,6 +91,42 @@ def test_translator_engine_greedy_equals_offline_greedy_while_requests_come_and_
         assert batched[f"t{i}"] == greedy_translate_uncached(model, torch.tensor([s], device=device), 12)[0]
 
 
+@pytest.mark.parametrize("encoded_ahead_tokens", [1024, 0])
+def test_sources_encoded_ahead_translate_as_alone(device: str, encoded_ahead_tokens: int) -> None:
+    """More requests than slots: the waiting ones' sources are encoded with the first step's and
+    kept until their admission (or, with none kept, each at its own), and every translation is
+    the offline greedy one of its sentence alone; once the queue is empty nothing is kept."""
+    sources = [[5, 9, 13, 7, EOS_ID], [40, EOS_ID], [8, 8, 8, 8, 8, 8, EOS_ID], [21, 33, EOS_ID], [6, 7, EOS_ID], [50, 2, 9, EOS_ID]]
+    requests = [Request(f"t{i}", s, GenerationParams(sampling=GREEDY, max_tokens=12)) for i, s in enumerate(sources)]
+    engine = translator_engine(n_slots=2, device=device)
+    runner = engine.runner
+    assert isinstance(runner, TranslatorRunner)
+    runner.encoded_ahead_tokens = encoded_ahead_tokens
+    encoded: list[int] = []
+    encode_ragged = runner.model.encode_ragged
+    runner.model.encode_ragged = lambda ids, lengths: encoded.append(len(lengths)) or encode_ragged(ids, lengths)  # type: ignore[method-assign]
+    batched = run(engine, {0: requests})
+    for i, s in enumerate(sources):
+        assert batched[f"t{i}"] == greedy_translate_uncached(runner.model, torch.tensor([s], device=device), 12)[0]
+    assert sum(encoded) == len(sources)  # each source encoded once
+    assert len(encoded) == 1 if encoded_ahead_tokens else len(encoded) > 1  # all in the first step's batch, or each at its admission
+    assert not runner.encoded_ahead
+
+
+def test_a_source_encoded_ahead_of_a_request_that_ends_waiting_is_dropped() -> None:
+    engine = translator_engine(n_slots=1)
+    runner = engine.runner
+    assert isinstance(runner, TranslatorRunner)
+    for i, source in enumerate([[5, 9, EOS_ID], [40, EOS_ID], [8, 8, EOS_ID]]):
+        engine.add_request(Request(f"t{i}", source, GenerationParams(sampling=GREEDY, max_tokens=4)))
+    engine.step()  # t0 admitted: t1 and t2 encoded ahead
+    assert set(runner.encoded_ahead) == {"t1", "t2"}
+    engine.abort("t1")
+    while engine.has_work:
+        engine.step()
+    assert not runner.encoded_ahead  # t2's taken at its admission, t1's dropped there
+
+
 def test_translator_engine_beam_search_equals_offline_beam_search(device: str) -> None:
     sources = [[5, 9, 13, 7, EOS_ID], [40, 41, EOS_ID], [8, 8, 8, EOS_ID]]
     engine = translator_engine(device=device)

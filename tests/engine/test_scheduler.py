@@ -238,3 +238,14 @@ def test_deadlines_end_requests_with_timeout_and_free_their_slots(monkeypatch: p
     assert engine.counters.finished == {"timeout": 2}
     engine.add_request(request("after", [30, 2]))  # the engine serves on
     assert run_to_end(engine)["after"][-1].finish_reason == "stop"
+
+
+def test_a_step_with_admissions_names_the_next_waiting_requests_within_its_budget() -> None:
+    scheduler = Scheduler(n_slots=1, max_waiting=10, max_prefill_tokens=10)
+    for i, n in enumerate([3, 4, 2, 5, 1]):
+        scheduler.add(request(f"r{i}", [7] * n))
+    plan = scheduler.schedule()
+    assert [r.request_id for r in plan.prefill] == ["r0"]
+    assert [r.request_id for r in plan.upcoming] == ["r1", "r2"]  # 3 + 4 + 2 tokens; r3's 5 more pass the budget of 10
+    assert [r.request_id for r in scheduler.waiting] == ["r1", "r2", "r3", "r4"]  # upcoming ones are not admitted
+    assert scheduler.schedule().upcoming == []  # no admission, nothing upcoming

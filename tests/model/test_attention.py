@@ -1,13 +1,11 @@
 """Attention against references: torch.nn.MultiheadAttention, the fused SDPA path, masks."""
 
-import itertools
 import math
 
 import pytest
 import torch
 
-from model import paged_attention_cpu
-from model.attention import MultiHeadAttention, Segments, scaled_dot_product_attention
+from model.attention import MultiHeadAttention, scaled_dot_product_attention
 from model.masks import causal_mask, padding_mask
 
 
@@ -70,18 +68,3 @@ def test_attention_weights_are_the_formula() -> None:
     torch.testing.assert_close(weights, expected)
     torch.testing.assert_close(out, expected @ v)
     torch.testing.assert_close(weights.sum(-1), torch.ones(1, 1, 3))
-
-
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_segments_attend_each_over_its_own_tokens(kv_heads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Sources side by side: the CPU kernel's one call (where it is built) and SDPA segment by
-    segment both equal each segment's attention computed alone."""
-    torch.manual_seed(0)
-    lengths = [5, 1, 9, 3]
-    q, k, v = torch.randn(1, 4, 18, 16), torch.randn(1, kv_heads, 18, 16), torch.randn(1, kv_heads, 18, 16)
-    keys, values = k.repeat_interleave(4 // kv_heads, 1), v.repeat_interleave(4 // kv_heads, 1)  # (1, 4, 18, 16)
-    bounds = itertools.pairwise(itertools.accumulate(lengths, initial=0))
-    expected = torch.cat([scaled_dot_product_attention(q[:, :, a:b], keys[:, :, a:b], values[:, :, a:b])[0] for a, b in bounds], dim=2)
-    torch.testing.assert_close(Segments(lengths).attend(q, k, v), expected, rtol=0, atol=1e-5)
-    monkeypatch.setattr(paged_attention_cpu, "applies", lambda pool: False)
-    torch.testing.assert_close(Segments(lengths).attend(q, k, v), expected, rtol=0, atol=1e-5)
