@@ -50,7 +50,7 @@ class SequenceBlocks:
 
 class KVBlockManager:
     """A pool of num_blocks blocks of block_size tokens (block 0 reserved), handed to sequences by
-    id. Invariants (tests/engine/test_kv_blocks.py): a block is free or held (ref_count > 0), never
+    id. Invariants (tests/engine/test_paged.py): a block is free or held (ref_count > 0), never
     both; the blocks of a finished sequence go back at once; a hash maps to one block whose tokens
     are exactly the prefix it hashes."""
 
@@ -62,8 +62,8 @@ class KVBlockManager:
         self.ref_count = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.block_of_hash: dict[bytes, int] = {}
-        # Free blocks, least recently freed first: allocation takes from the front (evicting a
-        # cached block's hash), a freed block goes to the back.
+        # Free blocks, least recently freed first: a freed block goes to the back; allocation takes
+        # from the front (evicting a cached block's hash), or from the back without prefix caching.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.sequences: dict[str, SequenceBlocks] = {}
         self.stats = PrefixCacheStats()
@@ -112,8 +112,7 @@ class KVBlockManager:
         if needed > len(self.free):
             return False
         for _ in range(needed):
-            block, _ = self.free.popitem(last=False)
-            self._evict(block)
+            block = self._take_free()
             self.ref_count[block] = 1
             seq.table.append(block)
         return True
@@ -166,8 +165,7 @@ class KVBlockManager:
             for block in table:
                 self.ref_count[block] += 1
             if partial:
-                block, _ = self.free.popitem(last=False)
-                self._evict(block)
+                block = self._take_free()
                 self.ref_count[block] = 1
                 table.append(block)
                 copies.append((source[full], block))
@@ -183,6 +181,14 @@ class KVBlockManager:
         self.hash_of = [None] * self.num_blocks
         for seq in self.sequences.values():
             seq.cached = len(seq.table)  # never registered again: their keys may be the failed step's
+
+    def _take_free(self) -> int:
+        """A free block, its cached hash (if any) evicted: with prefix caching the least recently
+        freed (a cached prefix lives longest), without it the most recently freed (its memory the
+        likeliest to be in the CPU's caches still, where cycling through the pool finds it cold)."""
+        block, _ = self.free.popitem(last=not self.prefix_caching)
+        self._evict(block)
+        return block
 
     def _evict(self, block: int) -> None:
         digest = self.hash_of[block]

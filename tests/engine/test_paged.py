@@ -110,6 +110,16 @@ def test_freed_cached_blocks_are_evicted_least_recently_freed_first_tail_first()
     assert_consistent(manager)
 
 
+def test_without_prefix_caching_the_most_recently_freed_block_is_reused_first() -> None:
+    manager = KVBlockManager(num_blocks=7, block_size=2, prefix_caching=False)
+    assert manager.allocate("a", 4) and manager.allocate("b", 2)
+    a_blocks = list(manager.table("a"))
+    manager.release("a")
+    assert manager.allocate("c", 2) and manager.table("c") == [a_blocks[0]]  # a's head, freed last (tail first)
+    assert manager.fork([("b", "c")], 1) == [(manager.table("b")[0], a_blocks[1])]  # the next most recently freed
+    assert_consistent(manager)
+
+
 def test_a_beam_fork_shares_full_blocks_copies_the_last_and_swaps_rows_safely() -> None:
     manager = KVBlockManager(num_blocks=12, block_size=4)
     for seq in ("0", "1"):
