@@ -215,10 +215,17 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def copy_blocks(self, src: Tensor, dst: Tensor) -> None:
-        """Block dst[i] becomes a copy of block src[i] in every layer (a forked beam's last block)."""
+    def copy_blocks(self, src: Tensor, dst: Tensor, tokens: Tensor) -> None:
+        """The first tokens[i] tokens of block src[i] copied to block dst[i] in every layer (a
+        forked beam's last block, written that far: the rest of it is not read before it is written)."""
+        device = self.keys[0].device
+        offsets = torch.arange(self.block_size, device=device)  # (block_size,)
+        written = offsets[None] < tokens.to(device)[:, None]  # (P, block_size)
+        src_rows = (src.to(device)[:, None] * self.block_size + offsets)[written]  # (T,) token rows of the flat pool
+        dst_rows = (dst.to(device)[:, None] * self.block_size + offsets)[written]
         for pool in self.keys + self.values:
-            pool.index_copy_(0, dst.to(pool.device), pool.index_select(0, src.to(pool.device)))
+            flat = pool.view(-1, *pool.shape[2:])  # (num_blocks x block_size, Hkv, D)
+            flat.index_copy_(0, dst_rows, flat.index_select(0, src_rows))
 
     def layers(self, step: "RaggedStep") -> list["PagedLayer"]:
         return [PagedLayer(k, v, step, self.decode_kernel) for k, v in zip(self.keys, self.values, strict=True)]

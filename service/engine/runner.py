@@ -460,15 +460,16 @@ class TranslatorRunner:
         if beams:
             beam_rows = torch.tensor([row_of[s] for r in beams for s in r.slots])  # (sum of K,): read in place, not copied
             states = [r.beams for r in beams if r.beams is not None]
-            copies = []
+            copies: list[tuple[int, int, int]] = []  # (parent's last block, the child's copy, tokens written in it)
             for r, state, (parents, _) in zip(beams, states, step_beams(states, logits, beam_rows), strict=True):
                 # A row that continues itself keeps its blocks; one that continues another's beam takes its.
                 pairs = [(str(r.slots[parent]), str(r.slots[beam])) for beam, parent in enumerate(parents) if parent != beam]
-                copies += self.blocks.fork(pairs, fed[r.slots[0]][1] + 1)
+                tokens = fed[r.slots[0]][1] + 1  # each beam's, this step's included
+                copies += [(a, b, tokens % self.cache.block_size) for a, b in self.blocks.fork(pairs, tokens)]
                 if state.done:
                     output.hypotheses[r.request_id] = state.best(r.params.n_best)
             if copies:
-                self.cache.copy_blocks(torch.tensor([a for a, _ in copies]), torch.tensor([b for _, b in copies]))
+                self.cache.copy_blocks(*(torch.tensor(column) for column in zip(*copies, strict=True)))
         if streamed:
             streamed_logits = in_order(logits, [row_of[r.slots[0]] for r in streamed])  # (S, V)
             if grammar is not None:

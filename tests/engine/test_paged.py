@@ -120,6 +120,18 @@ def test_without_prefix_caching_the_most_recently_freed_block_is_reused_first() 
     assert_consistent(manager)
 
 
+def test_copy_blocks_copies_the_tokens_written_in_each_block_in_every_layer() -> None:
+    cache = PagedKVCache(n_layers=2, num_blocks=6, block_size=4, n_kv_heads=2, head_dim=3)
+    for pool in cache.keys + cache.values:
+        pool.copy_(torch.randn(pool.shape))
+    before = [pool.clone() for pool in cache.keys + cache.values]
+    cache.copy_blocks(torch.tensor([1, 2]), torch.tensor([4, 5]), torch.tensor([3, 1]))
+    for pool, old in zip(cache.keys + cache.values, before, strict=True):
+        assert torch.equal(pool[4, :3], old[1, :3]) and torch.equal(pool[4, 3:], old[4, 3:])  # 3 tokens of block 1
+        assert torch.equal(pool[5, :1], old[2, :1]) and torch.equal(pool[5, 1:], old[5, 1:])  # 1 token of block 2
+        assert torch.equal(pool[:4], old[:4])  # the sources unchanged
+
+
 def test_a_beam_fork_shares_full_blocks_copies_the_last_and_swaps_rows_safely() -> None:
     manager = KVBlockManager(num_blocks=12, block_size=4)
     for seq in ("0", "1"):
