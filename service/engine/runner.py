@@ -443,22 +443,33 @@ class TranslatorRunner:
         real = src != self.pad_id  # (B, S)
         return [(k.transpose(1, 2)[real], v.transpose(1, 2)[real]) for k, v in self.model.cross_key_values(self.model.encode(src))]
 
+    @staticmethod
+    def _rows_of(r: Request) -> list[int]:
+        """The request's slots that take this step's decoder pass: a streamed sequence's one; a beam
+        search's every beam, but at its first step the first only (every beam starts from the start
+        token, and only the first is expanded: BeamState)."""
+        return r.slots if r.beams is not None and r.beams.sequences[0] else r.slots[:1]
+
     def _last_tokens(self, r: Request) -> list[int]:
-        """The token each of the request's rows feeds this step (the decoder's start token first)."""
+        """The token each of the request's fed rows (`_rows_of`) feeds this step (the decoder's start token first)."""
         sequences = r.beams.sequences if r.beams is not None else [r.output_ids]
-        return [s[-1] if s else self.start_id for s in sequences]
+        return [s[-1] if s else self.start_id for s in sequences[: len(self._rows_of(r))]]
 
     def _decode(self, requests: list[Request], output: RunnerOutput, grammar: GrammarMasks | None) -> None:
-        """One decoder step for every running sequence (each beam a row), then beams are reordered:
-        a row that continues another row's beam takes its blocks (block_table fork)."""
-        fed = {slot: (token, self._step_of(r)) for r in requests for slot, token in zip(r.slots, self._last_tokens(r), strict=True)}
+        """One decoder step for every running sequence (each beam a row, but a beam search's first
+        step), then beams are reordered: a row that continues another row's beam takes its blocks
+        (block_table fork)."""
+        fed = {
+            slot: (token, self._step_of(r)) for r in requests for slot, token in zip(self._rows_of(r), self._last_tokens(r), strict=True)
+        }
         logits, fed_rows = self.step_logits(fed, [r.slots for r in requests], max(len(r.prompt_ids) for r in requests))  # (N, V)
         suppress(logits, self.suppressed)  # once for the step's beams and streamed rows alike
         row_of = dict(zip(fed, fed_rows, strict=True))
         beams = [r for r in requests if r.beams is not None]
         streamed = [r for r in requests if r.beams is None]
         if beams:
-            beam_rows = torch.tensor([row_of[s] for r in beams for s in r.slots])  # (sum of K,): read in place, not copied
+            # (sum of K,): each beam's row, read in place, not copied; at a first step, the first beam's for all
+            beam_rows = torch.tensor([row_of[s] if s in row_of else row_of[r.slots[0]] for r in beams for s in r.slots])
             states = [r.beams for r in beams if r.beams is not None]
             copies: list[tuple[int, int, int]] = []  # (parent's last block, the child's copy, tokens written in it)
             for r, state, (parents, _) in zip(beams, states, step_beams(states, logits, beam_rows), strict=True):

@@ -16,7 +16,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner, TranslatorRunner, beam_group, decode_rows
-from tests.engine.helpers import PROMPTS, FakeTokenizer, context_sensitive_generator, run
+from tests.engine.helpers import PROMPTS, FakeTokenizer, context_sensitive_generator, deltas_of, run
 
 
 def generator_engine(n_slots: int = 8, device: str = "cpu") -> Engine:
@@ -152,6 +152,24 @@ def test_translator_engine_beam_search_equals_offline_beam_search(device: str) -
     expected2 = beam_search(model, torch.tensor([sources[2]], device=device), beam_size=3, max_new_tokens=10)[0]
     assert finals["b2"].text == tokenizer.decode(expected2[0].tokens)
     assert engine.scheduler.slots.num_free == 16
+
+
+def test_a_beam_searchs_first_step_feeds_its_first_beam_only() -> None:
+    """Every beam starts from the start token and only the first is expanded: one row at the first
+    step, every beam's after; the search still equals the offline one."""
+    engine = translator_engine()
+    runner = engine.runner
+    assert isinstance(runner, TranslatorRunner)
+    fed_rows: list[int] = []
+    step_logits = runner.step_logits
+    runner.step_logits = lambda fed, *args: fed_rows.append(len(fed)) or step_logits(fed, *args)  # type: ignore[method-assign]
+    source = [5, 9, 13, 7, EOS_ID]
+    deltas = deltas_of(engine, {0: [Request("b", source, GenerationParams(max_tokens=10, beam_size=4))]})["b"]
+    finals = [d for d in deltas if d.finish_reason]
+    assert fed_rows[0] == 1 and set(fed_rows[1:]) == {4}
+    expected = beam_search(runner.model, torch.tensor([source]), beam_size=4, max_new_tokens=10)[0]
+    assert finals[0].text == FakeTokenizer().decode(expected[0].tokens)
+    assert engine.scheduler.slots.num_free == 16 and runner.blocks.num_free == runner.blocks.num_blocks - 1
 
 
 def test_decode_rows_span_the_slots_unless_too_sparse() -> None:
