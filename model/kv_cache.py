@@ -7,7 +7,6 @@ layer), so memory is bounded by configuration and the GPU path can capture the s
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -110,15 +109,23 @@ class CrossAttentionCache(LayerCaches):
     """The translator's cross-attention keys/values per slot for sources of up to `length` tokens,
     computed once from the encoder output, and which source positions are real tokens (a prefix:
     sources are right-padded). Laid out as the paged decode kernel reads a pool, (n_slots, length,
-    H, D) per layer: a slot's source is one block of `length` positions. Built with LayerCaches'
-    arguments."""
+    H, D) per layer: a slot's source is one block of `length` positions."""
 
     @staticmethod
     def layout(n_slots: int, n_heads: int, length: int, head_dim: int) -> tuple[int, int, int, int]:
         return (n_slots, length, n_heads, head_dim)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_heads: int,
+        length: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(n_layers, n_slots, n_heads, length, head_dim, device, dtype)
         self.src_valid = torch.zeros(self.n_slots, self.length, dtype=torch.bool, device=self.keys[0].device)
         self.decode_kernel = paged_attention_cpu.applies(self.keys[0])  # one-token queries attend through the CPU kernel
 

@@ -392,6 +392,7 @@ class TranslatorRunner:
         if plan.prefill:
             started = time.perf_counter()
             self._encode(plan.prefill, plan.upcoming)
+            self._start_beams(plan.prefill)
             output.prefill_seconds = time.perf_counter() - started
         self._decode(plan.prefill + plan.decode, output, plan.grammar)
         return output
@@ -403,30 +404,33 @@ class TranslatorRunner:
         requests' (still waiting, next in line): their keys are kept for the step that admits
         them, so that the encoder runs once for several steps' sources, in a batch of many rows.
         Kept keys of a request no longer upcoming (it ended while waiting) go at the next admission."""
+        kept = [r for r in requests if r.request_id in self.encoded_ahead]
         fresh = [r for r in requests if r.request_id not in self.encoded_ahead]
-        keys_values = {r.request_id: self.encoded_ahead.pop(r.request_id) for r in requests if r.request_id in self.encoded_ahead}
+        if kept:  # their keys, one request after another
+            layers = zip(*(self.encoded_ahead.pop(r.request_id) for r in kept), strict=True)  # per layer, each request's (k, v)
+            kept_kv = [(torch.cat([k for k, _ in layer]), torch.cat([v for _, v in layer])) for layer in layers]  # (N, H, D)
+            self.cross_cache.write([r.slots for r in kept], [len(r.prompt_ids) for r in kept], kept_kv)
         next_in_line = {r.request_id for r in upcoming}
         for stale in [i for i in self.encoded_ahead if i not in next_in_line]:  # ended while waiting, or no longer next
             del self.encoded_ahead[stale]
-        if fresh:
-            ahead = []
-            room = self.encoded_ahead_tokens - sum(kv[0][0].shape[0] for kv in self.encoded_ahead.values())
-            for r in upcoming:
-                if r.request_id not in self.encoded_ahead and len(r.prompt_ids) <= room:
-                    ahead.append(r)
-                    room -= len(r.prompt_ids)
-            encoded = fresh + ahead
-            memory_kv = self._encode_sources([r.prompt_ids for r in encoded])  # per layer (N, H, D) each
-            first = 0
-            for r in encoded:
-                n = len(r.prompt_ids)
-                keys_values[r.request_id] = [(k[first : first + n], v[first : first + n]) for k, v in memory_kv]
-                first += n
-            for r in ahead:  # copies: the step's batch is not kept for them
-                self.encoded_ahead[r.request_id] = [(k.clone(), v.clone()) for k, v in keys_values.pop(r.request_id)]
-        layers = zip(*(keys_values[r.request_id] for r in requests), strict=True)  # per layer, each request's (k, v)
-        memory_kv = [(torch.cat([k for k, _ in layer]), torch.cat([v for _, v in layer])) for layer in layers]  # (N, H, D)
-        self.cross_cache.write([r.slots for r in requests], [len(r.prompt_ids) for r in requests], memory_kv)
+        if not fresh:
+            return
+        ahead = []
+        room = self.encoded_ahead_tokens - sum(kv[0][0].shape[0] for kv in self.encoded_ahead.values())
+        for r in upcoming:
+            if r.request_id not in self.encoded_ahead and len(r.prompt_ids) <= room:
+                ahead.append(r)
+                room -= len(r.prompt_ids)
+        memory_kv = self._encode_sources([r.prompt_ids for r in fresh + ahead])  # per layer (N, H, D) each
+        first = sum(len(r.prompt_ids) for r in fresh)  # the fresh sources' tokens come first
+        self.cross_cache.write([r.slots for r in fresh], [len(r.prompt_ids) for r in fresh], [(k[:first], v[:first]) for k, v in memory_kv])
+        for r in ahead:  # copies: the step's batch is not kept for them
+            n = len(r.prompt_ids)
+            self.encoded_ahead[r.request_id] = [(k[first : first + n].clone(), v[first : first + n].clone()) for k, v in memory_kv]
+            first += n
+
+    def _start_beams(self, requests: list[Request]) -> None:
+        """Each admitted beam search's state."""
         for r in requests:
             if r.params.beam_size > 1:
                 r.beams = BeamState(r.params.beam_size, r.max_tokens, self.eos_id, r.params.length_penalty)
