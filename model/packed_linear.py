@@ -136,12 +136,11 @@ def panel_product(rows: Tensor, panels: Tensor, bias: Tensor | None, out_feature
     return y
 
 
-_panel_op = torch.library.custom_op("transformer_serving::panel_linear", panel_product, mutates_args=())
-
-
-@_panel_op.register_fake
-def _(rows: Tensor, panels: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+def _product_shape(rows: Tensor, weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     return rows.new_empty(rows.shape[0], out_features)
+
+
+cpu_kernels.register_operator("panel_linear", panel_product, _product_shape)
 
 
 def packed_product(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
@@ -157,12 +156,7 @@ def packed_product(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out
     return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")[:n]  # (N, out)
 
 
-_packed_op = torch.library.custom_op("transformer_serving::packed_linear", packed_product, mutates_args=())
-
-
-@_packed_op.register_fake
-def _(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    return rows.new_empty(rows.shape[0], out_features)
+cpu_kernels.register_operator("packed_linear", packed_product, _product_shape)
 
 
 def pack_linear_layers(model: Translator | Generator) -> None:

@@ -70,9 +70,8 @@ def _kernel_attention(queries: Tensor, keys: Tensor, values: Tensor, key_blocks:
     return out
 
 
-_kernel_op = torch.library.custom_op("transformer_serving::paged_decode_attention", _kernel_attention, mutates_args=())
-
-
-@_kernel_op.register_fake
-def _(queries: Tensor, keys: Tensor, values: Tensor, key_blocks: Tensor, lengths: Tensor) -> Tensor:
+def _attention_shape(queries: Tensor, keys: Tensor, values: Tensor, key_blocks: Tensor, lengths: Tensor) -> Tensor:
     return queries.new_empty(queries.shape)
+
+
+cpu_kernels.register_operator("paged_decode_attention", _kernel_attention, _attention_shape)

@@ -5,6 +5,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from torch import Tensor
 
 from model import cpu_kernels
 
@@ -37,3 +39,19 @@ def test_a_compiler_that_fails_raises_and_installs_nothing(tmp_path: Path) -> No
 def test_the_environment_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
     assert cpu_kernels.library.__wrapped__() is None
+
+
+def test_a_registered_operator_runs_its_function_eagerly_and_in_a_compiled_graph() -> None:
+    def scaled_sum(rows: Tensor, scale: float) -> Tensor:
+        return rows.sum(-1) * scale
+
+    def shape(rows: Tensor, scale: float) -> Tensor:
+        return rows.new_empty(rows.shape[:-1])
+
+    cpu_kernels.register_operator("test_scaled_sum", scaled_sum, shape)
+    operator = torch.ops.transformer_serving.test_scaled_sum
+    rows = torch.randn(5, 7)
+    assert torch.equal(operator(rows, 2.0), scaled_sum(rows, 2.0))
+    graph = torch.compile(lambda x: operator(x + 1, 0.5) * 3, backend="aot_eager", fullgraph=True)
+    assert torch.allclose(graph(rows), scaled_sum(rows + 1, 0.5) * 3)
+    assert "test_scaled_sum" in str(operator.default._schema)
