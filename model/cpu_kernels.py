@@ -101,7 +101,9 @@ def register_operator(name: str, function: Callable[..., torch.Tensor], fake: Ca
     for torch.compile's tracing. Registered on the dispatcher directly, as vLLM's
     direct_register_custom_op does: a call then costs 2-3 us more than calling `function`,
     where torch.library.custom_op's checks (aliasing, autograd, dispatch) cost 10-14 us more (a
-    compiled decode step calls some 30 of them)."""
+    compiled decode step calls some 30 of them). Its kernel serves oneDNN's tensors too (an
+    argument in oneDNN's packed layout takes the dispatcher to MkldnnCPU, not CPU)."""
     OPERATORS.define(name + torch.library.infer_schema(function, mutates_args=()))
-    OPERATORS.impl(name, function, "CPU")
+    for dispatch_key in ("CPU", "MkldnnCPU"):
+        OPERATORS.impl(name, function, dispatch_key)
     OPERATORS._register_fake(name, fake)

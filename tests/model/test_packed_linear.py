@@ -95,6 +95,16 @@ def test_on_two_threads_onednn_takes_the_few_rows_and_equals_the_plain_layer(row
         assert torch.allclose(packed(x), plain(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [3, MAX_PANEL_ROWS + 1])  # the panel kernel's operation, oneDNN's on its packed weight
+def test_a_compiled_graph_calls_both_products_as_operations_and_equals_the_eager_layer(rows: int) -> None:
+    torch.manual_seed(0)
+    packed = PackedLinear(torch.randn(100, 256), torch.randn(100))
+    x = torch.randn(rows, 256)
+    graph = torch.compile(lambda x: packed(x + 1) * 2, backend="aot_eager", fullgraph=True)
+    with torch.inference_mode():
+        assert torch.allclose(graph(x), packed(x + 1) * 2, atol=1e-5, rtol=1e-5)
+
+
 def test_the_packed_path_runs_few_row_counts() -> None:
     # oneDNN keeps a kernel (and memory) per row count it sees: 19 counts, each at least the rows.
     counts = {padded_rows(n) for n in range(2, MAX_PACKED_ROWS + 1)}
