@@ -41,16 +41,19 @@ a source's </s>); for a Hugging Face folder, its tokenizer's tokens (MarianToken
 
 Prints a table; with --json the last line is one JSON object: each figure, the ratios
 <work>_vs_<peer> (ours / peer, throughput; <work>_vs_<peer>_by_cpu from the work per CPU second),
-the same for our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py) and, in
-generation, for ours with the compiled decode step (<work>_compiled_vs_<peer>, "ours_compiled":
-service/engine/compiled_decode.py, compiled at every batch size up to the work's), the BLEU of
+the same for our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py) and for
+ours with the compiled decode step (<work>_compiled_vs_<peer>, "ours_compiled":
+service/engine/compiled_decode.py, compiled at every batch size up to the work's: in translation
+every row count up to the slots, 8 with --quick; its start, compiling and timing each size, is
+<work>_start_seconds_ours_compiled), the BLEU of
 each system and the share of each other system's outputs equal to ours (<work>_same_as_ours_<system>);
 "models" names the folders compared (path, kind ours / hugging_face, context, languages).
 Writes peers.json and peers.png into --out: by default benchmarks/results for the shipped
 checkpoints (the figures the docs show, python -m benchmarks.report), and
 benchmarks/results/peers-<translator folder name>+<generator folder name> when either folder is
 another, so that a run on other models never replaces them. --quick (100 sentences, 2 prompts at
-batch 1, one repeat) checks the script; its files go to a temporary folder unless --out says where.
+batch 1, one repeat, a translator's step compiled at up to 8 rows) checks the script; its files
+go to a temporary folder unless --out says where.
 """
 
 import argparse
@@ -91,7 +94,8 @@ from training.data import SHARED_DATA, read_lines
 
 SYSTEMS = ["ours", "ours_int8", "transformers", "ct2_float32", "ct2_int8"]
 PEERS = SYSTEMS[2:]
-COMPILED = "ours_compiled"  # generation only: ours with the compiled decode step (EngineConfig.compiled_decode)
+COMPILED = "ours_compiled"  # ours with the compiled decode step (EngineConfig.compiled_decode)
+QUICK_COMPILED_ROWS = 8  # --quick: a translator's compiled step at these row counts only (each is timed at start)
 BATCH_SENTENCES = 64
 NEW_TOKENS = 200
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,8 +290,11 @@ def ct2_translate(
     return texts
 
 
-def translation(translator: Compared, sentences: list[str], references: list[str], threads: int, repeats: int) -> dict[str, float]:
-    """sentences/s and BLEU of every system, greedy and beam 4."""
+def translation(
+    translator: Compared, sentences: list[str], references: list[str], threads: int, repeats: int, compiled_rows: int | None = None
+) -> dict[str, float]:
+    """sentences/s and BLEU of every system, greedy and beam 4; ours also with the compiled decoder
+    step at every row count up to compiled_rows (None: the slots, 64 x the beam size)."""
     hf_model = AutoModelForSeq2SeqLM.from_pretrained(translator.hf, dtype=torch.float32).eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(translator.hf)
     encode, decode = ct2_tokens(translator, hf_tokenizer)
@@ -298,10 +305,16 @@ def translation(translator: Compared, sentences: list[str], references: list[str
     }
     results: dict[str, float] = {}
     for work, beam in [("translate_greedy", 1), ("translate_beam4", 4)]:
-        engine, engine_int8 = (offline_engine(translator.folder, BATCH_SENTENCES * beam, w) for w in (torch.float32, "int8"))
+        slots = BATCH_SENTENCES * beam
+        engine, engine_int8 = (offline_engine(translator.folder, slots, w) for w in (torch.float32, "int8"))
+        started = time.perf_counter()
+        sizes = tuple(range(1, min(compiled_rows or slots, slots) + 1))
+        engine_compiled = offline_engine(translator.folder, slots, compiled_decode=sizes)
+        results[f"{work}_start_seconds_{COMPILED}"] = time.perf_counter() - started
         runs: dict[str, Callable[[list[str]], Outputs]] = {
             "ours": partial(engine_translate, engine, beam_size=beam),
             "ours_int8": partial(engine_translate, engine_int8, beam_size=beam),
+            COMPILED: partial(engine_translate, engine_compiled, beam_size=beam),
             "transformers": partial(transformers_translate, hf_model, hf_tokenizer, beam_size=beam, max_len=translator.max_len),
             **{
                 name: partial(ct2_translate, model, encode, decode, beam_size=beam, max_len=translator.max_len, adds_eos=adds_eos)
@@ -414,8 +427,8 @@ def per_cpu_second(results: dict[str, float], work: str, system: str) -> float:
 
 def ratios(results: dict[str, float]) -> dict[str, float]:
     """<work>_vs_<peer>: our (float32) throughput over the peer's (wall time); <work>_int8_vs_<peer>:
-    the same for our int8 weights, <work>_compiled_vs_<peer> with the compiled decode step
-    (generation); <work>[_int8|_compiled]_vs_<peer>_by_cpu: the same from CPU time (our work
+    the same for our int8 weights, <work>_compiled_vs_<peer> with the compiled decode step;
+    <work>[_int8|_compiled]_vs_<peer>_by_cpu: the same from CPU time (our work
     per CPU second over the peer's)."""
     out = {}
     for key in list(results):
@@ -424,7 +437,7 @@ def ratios(results: dict[str, float]) -> dict[str, float]:
                 work = key[: -len(f"{unit}_ours")]
                 for ours, name in [("ours", work), ("ours_int8", f"{work}_int8"), (COMPILED, f"{work}_compiled")]:
                     if f"{work}{unit}_{ours}" not in results:
-                        continue  # COMPILED in translation
+                        continue  # a run without it
                     for peer in PEERS:
                         out[f"{name}_vs_{peer}"] = results[f"{work}{unit}_{ours}"] / results[f"{work}{unit}_{peer}"]
                         out[f"{name}_vs_{peer}_by_cpu"] = per_cpu_second(results, work, ours) / per_cpu_second(results, work, peer)
@@ -542,7 +555,8 @@ def main() -> None:
         generator = prepare(args.generator, generator_info.hugging_face, Path(tmp) / "generator")
         check_context(generator)
         translator = prepare(args.translator, translator_info.hugging_face, Path(tmp) / "translator")
-        results.update(translation(translator, sentences, references, args.threads, repeats))
+        compiled_rows = QUICK_COMPILED_ROWS if args.quick else None
+        results.update(translation(translator, sentences, references, args.threads, repeats, compiled_rows))
         results.update(generation(generator, args.threads, 2 if args.quick else 4, repeats))
     results.update(ratios(results))
     results["seconds"] = time.perf_counter() - started
@@ -551,8 +565,8 @@ def main() -> None:
     models = {"translator": translator.describe(translator_info), "generator": generator.describe(generator_info)}
     notes = [
         "ours_int8: int8 linear layers and output projection, one scale per token and per output channel (model/quantize.py)",
-        f"{COMPILED} (generation): ours with the decode step compiled by torch.compile at every batch size up to the work's, "
-        "where its start measured it faster (EngineConfig.compiled_decode; off by default in the service)",
+        f"{COMPILED}: ours with the decode step compiled by torch.compile at every batch size up to the work's (in translation: "
+        "rows, each beam one), where its start measured it faster (EngineConfig.compiled_decode; off by default in the service)",
         f"translation: {BATCH_SENTENCES} sentences in flight for every system (our engine: {BATCH_SENTENCES} x beam size slots)",
         tokenization_note("translator", translator),
         tokenization_note("generator", generator),

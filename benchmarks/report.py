@@ -242,7 +242,7 @@ def peers() -> str:
         cells = []
         for system in ("ours", "ours_compiled", "ours_int8", "transformers", "ct2_float32", "ct2_int8"):
             value, bleu = data.get(f"{work}_{unit}_{system}"), data.get(f"{work}_bleu_{system}")
-            cell = "-" if value is None else num(value)  # ours_compiled: generation only
+            cell = "-" if value is None else num(value)  # a run without ours_compiled in translation
             cells.append(cell if bleu is None else f"{cell} ({num(bleu, 2)})")
         ratios = [data[f"{work}_vs_transformers"], data[f"{work}_vs_ct2_float32"], data.get(f"{work}_compiled_vs_ct2_float32")]
         ratios.append(data[f"{work}_int8_vs_ct2_int8"])

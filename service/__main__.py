@@ -45,7 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=batch_sizes,
         default=(),
         metavar="B[,B...]",
-        help="batch sizes at which a generator's decode steps run torch.compile'd, each kept where it measures faster (compiled at start)",
+        help="batch sizes (rows) at which decode steps run torch.compile'd, each kept where it measures faster (compiled at start)",
     )
     parser.add_argument("--cors-origin", action="append", default=[], help="an origin browsers may call the API from (repeatable)")
     return parser.parse_args(argv)
@@ -91,8 +91,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             engine = replace(engine, default_max_tokens=16)  # OpenAI's default for completions
         if args.slots is not None:
             engine = replace(engine, n_slots=args.slots)
-        if args.compiled_decode and model.kind == "generator":
-            engine = replace(engine, compiled_decode=args.compiled_decode)
+        if args.compiled_decode:  # the sizes a model's slots hold
+            engine = replace(engine, compiled_decode=tuple(b for b in args.compiled_decode if b <= engine.n_slots))
         update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}
         return model.model_copy(update=update)
 

@@ -79,10 +79,10 @@ def test_peers_quick_on_the_shipped_checkpoints(tmp_path: Path, monkeypatch: pyt
     assert figures["generate_batch_16_tokens_ours"] == 16 * peers.NEW_TOKENS
     for work in report.WORKS:
         assert all(figures[f"{work}_vs_{peer}"] > 0 for peer in peers.PEERS), work
-    for work in ["generate_batch_1", "generate_batch_16"]:  # the compiled decode step: generation only
+    for work in ["generate_batch_1", "generate_batch_16"]:
         assert figures[f"{work}_tokens_{peers.COMPILED}"] == figures[f"{work}_tokens_ours"]
+    for work in report.WORKS:  # the compiled decode step, in translation at up to 8 rows
         assert figures[f"{work}_compiled_vs_ct2_float32"] > 0 and figures[f"{work}_start_seconds_{peers.COMPILED}"] > 0
-    assert f"translate_greedy_sentences_per_s_{peers.COMPILED}" not in figures
     rendered(monkeypatch, tmp_path, "peers", "peers-targets")
 
 

@@ -1,12 +1,15 @@
-"""A decoder-only model's decode steps compiled by torch.compile (inductor), where that is faster.
+"""Decode steps compiled by torch.compile (inductor), where that is faster: a decoder-only model's
+decode-only steps, and a translator's decoder steps.
 
 A decode-only step (one new token per sequence) runs the same small operations in every layer:
-norms, rotary positions, the residual adds, the gated feed-forward's activation. Eagerly, each is
+norms, rotary positions, the residual adds, the activation. Eagerly, each is
 a dispatch and a pass over memory; inductor fuses them into a few C++ loops, and writes the new keys
 and values into the pool in place. The linear layers' kernels (model/packed_linear.py) and the CPU
 paged attention kernel (model/paged_attention_cpu.py) are operations the graph calls as they are,
 as vLLM's compiled graphs call their attention; none writes to its inputs (an operation that did
-ran through torch's functionalization, in Python, at every call: docs/performance.md).
+ran through torch's functionalization, in Python, at every call: docs/performance.md). A
+translator's step reads each row's source keys in place through the same kernel (its
+cross-attention cache's SourceLayers), so it compiles only where that kernel runs.
 
 Graphs: torch specializes a batch of one, so batch 1 has its own graph, and every other batch
 size shares one, dynamic in the batch and in the key length (a step's key blocks are padded to at
@@ -26,13 +29,16 @@ import torch
 from torch import Tensor
 
 from model.generator import Generator
-from model.kv_cache import DecodeGroup, PagedKVCache, RaggedStep, ragged_step
+from model.kv_cache import CrossAttentionCache, DecodeGroup, PagedKVCache, RaggedStep, ragged_step
+from model.translator import Translator
 
 logger = logging.getLogger(__name__)
 
-WARM_UP_KEYS = 256  # key length of the timed steps
+WARM_UP_KEYS = 256  # key length of the timed steps (a translator's: WARM_UP_TRANSLATION_KEYS)
 TIMED_STEPS = 5  # per system and batch size
 MIN_KEY_BLOCKS = 2  # a step's key blocks are padded to at least this many (size 1 would specialize)
+WARM_UP_SOURCE_TOKENS = 32  # a translator's timed steps: each row's source length
+WARM_UP_TRANSLATION_KEYS = 64  # and its target's keys (translations are short: 256 would time attention mostly)
 
 
 class CompiledDecode:
@@ -40,10 +46,14 @@ class CompiledDecode:
 
     stance = "eager_on_recompile"  # torch.compiler's, for every step after the warm-up
 
-    def __init__(self, model: Generator, cache: PagedKVCache, batch_sizes: Sequence[int]) -> None:
+    def __init__(
+        self, model: Generator | Translator, cache: PagedKVCache, batch_sizes: Sequence[int], sources: CrossAttentionCache | None = None
+    ) -> None:
         """Compiles and times the step at each of batch_sizes now (on the cache's null block only:
-        the pool's other blocks are untouched)."""
-        self.model, self.cache = model, cache
+        the pool's other blocks are untouched). sources: a translator's cross-attention cache (its
+        decode_kernel on), which its steps read (the warm-up reads slot 0's)."""
+        assert isinstance(model, Generator) or (sources is not None and sources.decode_kernel), "a translator reads its sources in place"
+        self.model, self.cache, self.sources = model, cache, sources
         self.device = cache.keys[0].device
         # Without inductor's size asserts (a check of every tensor an extern kernel returns, about
         # 125 a step): 1.035x at batches 1 and 16, the same logits (docs/performance.md).
@@ -52,26 +62,32 @@ class CompiledDecode:
         self.batch_sizes: frozenset[int] = frozenset()  # those that run compiled
         self._warm_up(sorted(set(batch_sizes)))
 
-    def _step(self, ids: Tensor, positions: Tensor, slot_mapping: Tensor, key_blocks: Tensor, mask: Tensor) -> Tensor:
+    def _step(self, ids: Tensor, positions: Tensor, slot_mapping: Tensor, key_blocks: Tensor, mask: Tensor, *sources: Tensor) -> Tensor:
         """Logits (B, V) of one token per sequence: ids, positions, slot_mapping (B,) and the
-        attention's key_blocks (B, nb) and mask (B, 1 | H, 1, nb x block_size) of a decode step."""
+        attention's key_blocks (B, nb) and mask (B, 1 | H, 1, nb x block_size) of a decode step;
+        a translator's sources: each row's source slot (B, 1) and length (B,)."""
         rows = torch.arange(ids.shape[0], device=ids.device)  # (B,)
         step = RaggedStep(slot_mapping, DecodeGroup(rows, key_blocks, positions + 1, mask), [])
+        if isinstance(self.model, Translator):
+            assert self.sources is not None
+            layers = self.sources.bound(*sources)
+            return self.model.decode(ids[:, None], layers, None, positions[:, None], self.cache.layers(step))[:, -1]
         return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
 
-    def __call__(self, ids: Tensor, positions: Tensor, step: RaggedStep) -> Tensor | None:
+    def __call__(self, ids: Tensor, positions: Tensor, step: RaggedStep, sources: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
         """The logits (B, V) of a decode-only step (ids and positions (B,), the step of one token
-        per sequence from ragged_step), compiled; None when its batch size runs eagerly."""
+        per sequence from ragged_step; a translator's rows' sources, CrossAttentionCache.sources),
+        compiled; None when its batch size runs eagerly."""
         if ids.shape[0] not in self.batch_sizes:
             return None
         assert step.decodes is not None, "a decode-only step"
         key_blocks, mask = padded_blocks(step.decodes, self.cache.block_size)
         with torch.compiler.set_stance(self.stance):
-            return self._compiled(ids, positions, step.slot_mapping, key_blocks, mask)
+            return self._compiled(ids, positions, step.slot_mapping, key_blocks, mask, *(sources or ()))
 
     @torch.inference_mode()
     def _warm_up(self, batch_sizes: list[int]) -> None:
-        keys = min(WARM_UP_KEYS, self.model.config.max_len)  # within the model's positions
+        keys = min(WARM_UP_KEYS if self.sources is None else WARM_UP_TRANSLATION_KEYS, self.model.config.max_len)  # within its positions
         for batch in batch_sizes:
             started = time.perf_counter()
             # A second length: where the first graph took a length as a constant, torch recompiles
@@ -107,16 +123,22 @@ class CompiledDecode:
                 times.append(time.perf_counter() - started)
         return statistics.median(eager), statistics.median(compiled)
 
-    def _null_block_step(self, batch: int, keys: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _null_block_step(self, batch: int, keys: int) -> tuple[Tensor, ...]:
         """Inputs of a step of `batch` sequences at position keys - 1 whose every block is the null
-        block (block 0, which no sequence owns): it writes nothing any sequence reads."""
+        block (block 0, which no sequence owns): it writes nothing any sequence reads. A
+        translator's rows read the first WARM_UP_SOURCE_TOKENS source keys of slot 0 (reading only)."""
         blocks = -(-keys // self.cache.block_size)
         slopes = self.model.positions.alibi_slopes
         step = ragged_step([1] * batch, [keys - 1] * batch, [[0] * blocks] * batch, self.cache.block_size, self.device, slopes)
         assert step.decodes is not None
         ids = torch.full((batch,), self.model.config.pad_id, device=self.device)
         positions = torch.full((batch,), keys - 1, device=self.device)
-        return (ids, positions, step.slot_mapping, *padded_blocks(step.decodes, self.cache.block_size))
+        inputs = (ids, positions, step.slot_mapping, *padded_blocks(step.decodes, self.cache.block_size))
+        if self.sources is None:
+            return inputs
+        source_slots = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # (B, 1)
+        source_lengths = torch.full((batch,), min(WARM_UP_SOURCE_TOKENS, self.sources.length), device=self.device)  # (B,)
+        return (*inputs, source_slots, source_lengths)
 
 
 def padded_blocks(group: DecodeGroup, block_size: int) -> tuple[Tensor, Tensor]:

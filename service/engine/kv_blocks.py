@@ -154,17 +154,25 @@ class KVBlockManager:
     def fork(self, pairs: list[tuple[str, str]], tokens: int) -> list[tuple[int, int]]:
         """Beam search's reordering: each (parent, child) child's table becomes its parent's first
         `tokens` tokens, the full blocks shared (never written again: sequences only append) and
-        the last partial block a new one; returns the (parent's block, new block) pairs whose
-        contents the caller copies. Every parent is read before any child's old blocks go back,
-        so a row may be one pair's parent and another's child. Needs a free block per pair."""
+        the last partial block its own: the parent's itself where the parent's row takes another
+        beam (so no longer writes it; its first child takes it), else a new one; returns the
+        (parent's block, new block) pairs whose contents the caller copies. Every parent is read
+        before any child's old blocks go back, so a row may be one pair's parent and another's
+        child. Needs a free block per pair."""
         full, partial = divmod(tokens, self.block_size)
+        leaving = {child for _, child in pairs}  # rows that take another beam: their old blocks go back
         tables, copies = {}, []
         for parent, child in pairs:
             source = self.sequences[parent].table
             table = source[:full]
             for block in table:
                 self.ref_count[block] += 1
-            if partial:
+            if partial and parent in leaving:  # the last block moves, uncopied (a partial block has one owner)
+                leaving.discard(parent)  # to its first child only
+                assert self.ref_count[source[full]] == 1, "a partial block shared"
+                self.ref_count[source[full]] += 1  # released with the parent's old table below
+                table.append(source[full])
+            elif partial:
                 block = self._take_free()
                 self.ref_count[block] = 1
                 table.append(block)

@@ -2,6 +2,7 @@
 
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -334,9 +335,11 @@ class TranslatorRunner:
         fixed_shape_decode: bool | None = None,
         block_size: int = EngineConfig.block_size,
         encoded_ahead_tokens: int = 2 * EngineConfig.max_num_batched_tokens,
+        compiled_decode: Sequence[int] = (),
     ) -> None:
         """max_context: EngineConfig.max_context (None: its default), the length of the source
-        (cross-attention) and target caches. fixed_shape_decode: as GeneratorRunner's. The
+        (cross-attention) and target caches. fixed_shape_decode: as GeneratorRunner's.
+        compiled_decode: EngineConfig.compiled_decode (where the CPU kernel reads the sources). The
         decoder's self-attention keys are paged (blocks of block_size tokens, a pool that holds
         every slot's whole context and a block per slot for beam forks, so that a step never
         waits for one); a beam that continues another shares its full blocks and copies its last.
@@ -367,6 +370,8 @@ class TranslatorRunner:
             fixed_shape_decode = self.device.type == "cuda"
         capture = self.device.type == "cuda"
         self.fixed_shape = TranslatorDecoder(model, self.cache, self.cross_cache, capture) if fixed_shape_decode else None
+        compiled = compiled_decode and not fixed_shape_decode and self.cross_cache.decode_kernel
+        self.compiled = CompiledDecode(model, self.cache, compiled_decode, self.cross_cache) if compiled else None
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - 1  # position 0 holds the start token
@@ -501,17 +506,20 @@ class TranslatorRunner:
         which stays in the CPU's caches between them); else the step runs the span of rows
         `decode_rows` picks, idle rows included (at position 0 of the null block), reading the
         sources through views of the cross cache, where a sentence's beams read its keys once
-        when the rows are aligned blocks of one beam width (`beam_group`, from each request's slots)."""
+        when the rows are aligned blocks of one beam width (`beam_group`, from each request's slots).
+        With the CPU kernel, a step of as many rows as a batch size the compiled step runs (CompiledDecode) runs through its graph."""
         for slot, (_, position) in fed.items():
             assert self.blocks.allocate(str(slot), position + 1), "the pool holds every slot's whole context"
         paged = {slot: (token, position, self.blocks.table(str(slot))) for slot, (token, position) in fed.items()}
         if self.fixed_shape is not None:
             return self.fixed_shape(paged, source_length), list(range(len(fed)))
         memory_kv: list[tuple[Tensor, Tensor]] | list[SourceLayer]
+        sources = None
         if self.cross_cache.decode_kernel:  # each row's source keys read in place by the CPU kernel
             rows = list(fed)  # in fed's order, no idle rows: every cache is read through tables
             first = {slot: slots[0] for slots in slots_of_requests for slot in slots}  # a sentence's beams read one copy
-            group, memory_kv, src_mask = 1, self.cross_cache.layers([first[row] for row in rows]), None
+            sources = self.cross_cache.sources([first[row] for row in rows])
+            group, memory_kv, src_mask = 1, self.cross_cache.bound(*sources), None
         else:
             rows = decode_rows(list(fed))
             group = beam_group(slots_of_requests, rows)  # rows sharing a source: read its keys once
@@ -519,10 +527,12 @@ class TranslatorRunner:
         idle: tuple[int, int, list[int]] = (self.pad_id, 0, [])
         ids, positions, tables = (list(column) for column in zip(*(paged.get(row, idle) for row in rows), strict=True))
         step = ragged_step([1] * len(rows), positions, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
-        layers = self.cache.layers(step)
-        ids_tensor = torch.tensor(ids, device=self.device)[:, None]  # (rows, 1)
-        positions_tensor = torch.tensor(positions, device=self.device)[:, None]
-        logits = self.model.decode(ids_tensor, memory_kv, src_mask, positions_tensor, layers, 0, group)[:, -1]  # (rows, V)
+        ids_tensor = torch.tensor(ids, device=self.device)  # (rows,)
+        positions_tensor = torch.tensor(positions, device=self.device)
+        logits = self.compiled(ids_tensor, positions_tensor, step, sources) if self.compiled is not None else None  # (rows, V)
+        if logits is None:
+            layers = self.cache.layers(step)
+            logits = self.model.decode(ids_tensor[:, None], memory_kv, src_mask, positions_tensor[:, None], layers, 0, group)[:, -1]
         row_of = {row: i for i, row in enumerate(rows)}
         return logits, [row_of[s] for s in fed]
 
@@ -541,5 +551,6 @@ def runner_for(model: Translator | Generator, tokenizer: TextTokenizer, config: 
             config.max_context,
             block_size=config.block_size,
             encoded_ahead_tokens=2 * config.max_num_batched_tokens,
+            compiled_decode=config.compiled_decode,
         )
     return GeneratorRunner(model, tokenizer, config)

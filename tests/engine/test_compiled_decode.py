@@ -1,7 +1,8 @@
 """The compiled decode step (service/engine/compiled_decode.py) computes what the eager step
 computes: logits within 1e-4 at batch 1 and at batch sizes of the shared dynamic graph, with key
-blocks padded or not, and greedy answers equal to the plain engine's; a step that would need a new
-graph runs eagerly instead of compiling."""
+blocks padded or not, and greedy answers equal to the plain engine's, for a generator and for the
+translator (whose rows read their sources in place, beams sharing one); a step that would need a
+new graph runs eagerly instead of compiling."""
 
 from pathlib import Path
 
@@ -10,16 +11,17 @@ import torch
 from torch._dynamo.utils import counters
 
 from decoding.sampling_params import GREEDY
-from loading.checkpoint import load_checkpoint
+from loading.checkpoint import DEFAULT_TRANSLATOR, load_checkpoint
 from loading.tokenizer import TextTokenizer
 from model.generator import Generator
 from model.kv_cache import ragged_step
 from model.packed_linear import pack_linear_layers, packing_available
+from model.translator import Translator
 from service.engine.compiled_decode import CompiledDecode
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
-from service.engine.runner import GeneratorRunner
+from service.engine.runner import GeneratorRunner, TranslatorRunner
 from tests.engine.helpers import assert_equal_up_to_a_tie, run
 from tests.hf_folders import build_llama_folder
 
@@ -137,3 +139,74 @@ def test_a_runner_compiles_only_what_the_config_names(tmp_path: Path) -> None:
     assert isinstance(model, Generator)
     assert GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4)).compiled is None
     assert GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4, compiled_decode=(1,)), fixed_shape_decode=True).compiled is None
+
+
+@pytest.fixture(scope="module")
+def translator_runner() -> TranslatorRunner:
+    """The shipped translator's runner with both graphs compiled, running every size 1-8 compiled."""
+    model, tokenizer = load_checkpoint(DEFAULT_TRANSLATOR)
+    assert isinstance(model, Translator)
+    pack_linear_layers(model)
+    counters.clear()
+    runner = TranslatorRunner(model, tokenizer, n_slots=8, compiled_decode=(1, 2))
+    if runner.compiled is None:
+        pytest.skip("the CPU attention kernel, which a compiled translator step reads its sources through, is off")
+    assert not counters["graph_break"], f"the decoder step is not one graph: {dict(counters['graph_break'])}"
+    runner.compiled.batch_sizes = frozenset(range(1, 9))
+    return runner
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(("batch", "length"), [(1, 3), (5, 3), (5, 40)])
+def test_the_compiled_translator_step_computes_the_eager_steps_logits(
+    translator_runner: TranslatorRunner, monkeypatch: pytest.MonkeyPatch, batch: int, length: int
+) -> None:
+    """Rows 0-3 are one sentence's beams (they read slot 0's source), row 4 another sentence's."""
+    compiled, cross = translator_runner.compiled, translator_runner.cross_cache
+    assert compiled is not None
+    monkeypatch.setattr(compiled, "stance", "fail_on_recompile")
+    torch.manual_seed(batch * 1000 + length)
+    cache, block_size = compiled.cache, compiled.cache.block_size
+    for pool in cache.keys + cache.values + cross.keys + cross.values:
+        pool.normal_()
+    cross.src_valid[:] = torch.arange(cross.length)[None] < torch.tensor([11, 0, 0, 0, 0, 7, 0, 0])[:, None]
+    blocks = -(-length // block_size)
+    tables = [list(range(1 + b * blocks, 1 + (b + 1) * blocks)) for b in range(batch)]
+    positions_list = [max(length - 1 - b, 0) for b in range(batch)]
+    step = ragged_step([1] * batch, positions_list, tables, block_size, torch.device("cpu"))
+    sources = cross.sources([0, 0, 0, 0, 5][:batch])
+    ids = torch.randint(0, compiled.model.config.vocab_size, (batch,))
+    positions = torch.tensor(positions_list)
+    fast = compiled(ids, positions, step, sources)
+    assert fast is not None
+    model = translator_runner.model
+    eager = model.decode(ids[:, None], cross.bound(*sources), None, positions[:, None], cache.layers(step))[:, -1]
+    assert fast.shape == eager.shape == (batch, model.config.vocab_size)
+    torch.testing.assert_close(fast, eager, atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_an_engine_with_a_compiled_translator_step_translates_as_the_plain_engine(
+    translator_runner: TranslatorRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert translator_runner.compiled is not None
+    monkeypatch.setattr(translator_runner.compiled, "stance", "fail_on_recompile")
+    model, tokenizer = translator_runner.model, translator_runner.tokenizer
+    config = EngineConfig(n_slots=8)
+    plain = Engine(TranslatorRunner(model, tokenizer, n_slots=8), config)
+    fast = Engine(translator_runner, config)  # every decoder step through a compiled graph (or failing)
+    texts = ["A man rides a bike.", "Two dogs play in the snow.", "A girl reads a book.", "People walk down a busy street."]
+    params = GenerationParams(sampling=GREEDY)
+
+    def arrivals(engine: Engine) -> dict[int, list[Request]]:
+        return {i: [Request(str(i), engine.runner.encode_prompt(t), params)] for i, t in enumerate(texts)}  # 1 to 4 rows
+
+    expected, got = run(plain, arrivals(plain)), run(fast, arrivals(fast))
+    assert got.keys() == expected.keys()
+    for request_id, tokens in got.items():
+        source = torch.tensor([plain.runner.encode_prompt(texts[int(request_id)])])
+
+        def logits_after(prefix: list[int], source: torch.Tensor = source) -> torch.Tensor:
+            return model(source, torch.tensor([[model.config.start_id, *prefix]]))[0, -1]
+
+        assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)

@@ -132,20 +132,29 @@ def test_copy_blocks_copies_the_tokens_written_in_each_block_in_every_layer() ->
         assert torch.equal(pool[:4], old[:4])  # the sources unchanged
 
 
-def test_a_beam_fork_shares_full_blocks_copies_the_last_and_swaps_rows_safely() -> None:
+def test_a_beam_fork_shares_full_blocks_moves_or_copies_the_last_and_swaps_rows_safely() -> None:
     manager = KVBlockManager(num_blocks=12, block_size=4)
-    for seq in ("0", "1"):
+    for seq in ("0", "1", "2"):
         assert manager.allocate(seq, 10)  # 3 blocks each: two full, one holding 2 tokens
-    a, b = list(manager.table("0")), list(manager.table("1"))
-    copies = manager.fork([("0", "1"), ("1", "0")], tokens=10)  # the two rows swap beams
-    assert manager.table("1")[:2] == a[:2] and manager.table("0")[:2] == b[:2]  # full blocks shared, not copied
-    assert copies == [(a[2], manager.table("1")[2]), (b[2], manager.table("0")[2])]  # each last block copied into a new one
+    a, b, c = list(manager.table("0")), list(manager.table("1")), list(manager.table("2"))
+    copies = manager.fork([("0", "1"), ("1", "0")], tokens=10)  # the two rows swap beams: each last block moves
+    assert manager.table("1") == a and manager.table("0") == b and copies == []
+    assert_consistent(manager)
+    # Row 0 continues row 2's beam, rows 1 and 2 row 0's: row 2's last block moves to row 0, row 0's
+    # to row 1 (its first child), and row 2 gets a copy of it; row 1's old blocks go back.
+    copies = manager.fork([("2", "0"), ("0", "1"), ("0", "2")], tokens=10)
+    assert manager.table("0") == c and manager.table("1") == b
+    assert manager.table("2")[:2] == b[:2] and copies == [(b[2], manager.table("2")[2])] and manager.table("2")[2] not in a + b + c
+    assert manager.num_free == 12 - 1 - 7  # the null block; b's, c's and the copy held; a's back
     assert_consistent(manager)
     copies = manager.fork([("0", "1")], tokens=8)  # at a block boundary: nothing to copy
     assert copies == [] and manager.table("1") == manager.table("0")[:2] and manager.ref_count[manager.table("0")[0]] == 2
     assert_consistent(manager)
-    manager.release("0")
-    manager.release("1")
+    copies = manager.fork([("0", "1"), ("0", "2")], tokens=9)  # row 0 continues itself: its last block is copied, twice
+    assert [source for source, _ in copies] == [manager.table("0")[2]] * 2
+    assert_consistent(manager)
+    for seq in ("0", "1", "2"):
+        manager.release(seq)
     assert manager.num_free == manager.num_blocks - 1
 
 

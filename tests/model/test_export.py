@@ -230,7 +230,7 @@ def test_peers_benchmark_translates_alike_in_every_system(exports: Path) -> None
     """benchmarks.peers feeds every system the same sentences: the float32 ones translate them as we do."""
     compared = peers.Compared(DEFAULT_TRANSLATOR, False, exports / "hf-translator", exports / "ct2-translator", 256)
     references = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.de.gz")[:8]
-    results = peers.translation(compared, TEST_SOURCES[:8], references, threads=1, repeats=1)
+    results = peers.translation(compared, TEST_SOURCES[:8], references, threads=1, repeats=1, compiled_rows=peers.QUICK_COMPILED_ROWS)
     for work in ["translate_greedy", "translate_beam4"]:
         assert results[f"{work}_same_as_ours_transformers"] == results[f"{work}_same_as_ours_ct2_float32"] == 1.0
         assert results[f"{work}_bleu_ours"] == results[f"{work}_bleu_transformers"] > 0
