@@ -162,20 +162,17 @@ class CrossAttentionCache(LayerCaches):
         valid = self.src_valid[rows, :length] if isinstance(rows, slice) else self.src_valid[:, :length].index_select(0, rows)
         return kv, valid[:, None, None, :]
 
-    def layers(self, slots: Sequence[int]) -> list["SourceLayer"]:
-        """Per layer, the sources of `slots` (B rows) as the CPU decode kernel reads them in place
-        (requires decode_kernel). A slot without a source (an idle row) reads its first position."""
-        return self.bound(*self.sources(slots))
-
     def sources(self, slots: Sequence[int]) -> tuple[Tensor, Tensor]:
         """Each row's source block (B, 1) (a slot's source is its own block) and length (B,): the
-        sources of `slots` (B rows) as `bound` takes them."""
+        sources of `slots` (B rows) as `bound` takes them. A slot without a source (an idle row)
+        reads its first position."""
         index = torch.tensor(slots, device=self.src_valid.device)
         lengths = self.src_valid.index_select(0, index).sum(-1).clamp(min=1)  # (B,): the valid prefix
         return index[:, None], lengths
 
     def bound(self, blocks: Tensor, lengths: Tensor) -> list["SourceLayer"]:
-        """Per layer, the sources at blocks (B, 1) of lengths (B,) (from `sources`) for the CPU decode kernel."""
+        """Per layer, the sources at blocks (B, 1) of lengths (B,) (from `sources`) as the CPU decode
+        kernel reads them in place (requires decode_kernel)."""
         return [SourceLayer(k, v, blocks, lengths) for k, v in zip(self.keys, self.values, strict=True)]
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:

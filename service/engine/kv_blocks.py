@@ -160,15 +160,16 @@ class KVBlockManager:
         before any child's old blocks go back, so a row may be one pair's parent and another's
         child. Needs a free block per pair."""
         full, partial = divmod(tokens, self.block_size)
-        leaving = {child for _, child in pairs}  # rows that take another beam: their old blocks go back
+        # Rows that take another beam (their old blocks go back) whose last block has not yet moved to a child.
+        movable = {child for _, child in pairs}
         tables, copies = {}, []
         for parent, child in pairs:
             source = self.sequences[parent].table
             table = source[:full]
             for block in table:
                 self.ref_count[block] += 1
-            if partial and parent in leaving:  # the last block moves, uncopied (a partial block has one owner)
-                leaving.discard(parent)  # to its first child only
+            if partial and parent in movable:  # the last block moves, uncopied (a partial block has one owner)
+                movable.discard(parent)  # to its first child only
                 assert self.ref_count[source[full]] == 1, "a partial block shared"
                 self.ref_count[source[full]] += 1  # released with the parent's old table below
                 table.append(source[full])
