@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -44,19 +45,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--compiled-decode",
         type=batch_sizes,
         default=(),
-        metavar="B[,B...]",
-        help="batch sizes (rows) at which decode steps run torch.compile'd, each kept where it measures faster (compiled at start)",
+        metavar="B[-B][,...]",
+        help="batch sizes (rows) at which decode steps run torch.compile'd, e.g. 1-64: compiled at start and timed once "
+        "per power-of-two bucket, each bucket kept where it measures faster",
     )
     parser.add_argument("--cors-origin", action="append", default=[], help="an origin browsers may call the API from (repeatable)")
     return parser.parse_args(argv)
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:
-    """--compiled-decode's value: comma-separated integers (EngineConfig checks their range)."""
-    try:
-        return tuple(int(size) for size in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes") from None
+    """--compiled-decode's value: comma-separated batch sizes and ranges, "1,4" or "1-64" (both
+    ends in it), in ascending order without repeats (EngineConfig checks their range)."""
+    sizes: set[int] = set()
+    for item in text.split(","):
+        bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
+        if bounds is None or int(bounds[2] or bounds[1]) < int(bounds[1]):
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not a batch size or an ascending range of them (1-64)")
+        sizes.update(range(int(bounds[1]), int(bounds[2] or bounds[1]) + 1))
+    return tuple(sorted(sizes))
 
 
 def model_entries(specs: list[str]) -> list[ModelServingConfig]:

@@ -83,8 +83,11 @@ def test_model_flags_serve_exactly_those_folders_named_as_told_or_after_the_fold
     args = ["--model", f"poet={DEFAULT_GENERATOR}", "--model", str(copy), "--compiled-decode", "1,4,48"]
     compiled = service_config(parse_args(args))  # each model's sizes are those its slots hold (32 and 64)
     assert compiled.generator.engine.compiled_decode == (1, 4) and compiled.translator.engine.compiled_decode == (1, 4, 48)
-    with pytest.raises(SystemExit):
-        parse_args(["--compiled-decode", "1,x"])
+    ranged = service_config(parse_args(["--model", str(copy), "--compiled-decode", "8-10,1,2-3,9"]))
+    assert ranged.translator.engine.compiled_decode == (1, 2, 3, 8, 9, 10)
+    for bad in ("1,x", "4-2", "1-"):
+        with pytest.raises(SystemExit):
+            parse_args(["--compiled-decode", bad])
 
 
 @pytest.mark.parametrize(

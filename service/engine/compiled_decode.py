@@ -14,10 +14,12 @@ cross-attention cache's SourceLayers), so it compiles only where that kernel run
 Graphs: torch specializes a batch of one, so batch 1 has its own graph, and every other batch
 size shares one, dynamic in the batch and in the key length (a step's key blocks are padded to at
 least two, so that no length specializes either). EngineConfig.compiled_decode names the batch
-sizes to try: at start each is compiled and then timed against the eager step on the same inputs
-(alternating, the median of TIMED_STEPS each), and kept only where compiled is faster (`timings`
-says by how much). A step of another batch size runs eagerly, and so does one that would need a
-new graph (torch.compiler's eager_on_recompile stance): no request waits for a compilation.
+sizes to try. At start the graphs are compiled and the step is timed against the eager one on the
+same inputs (alternating, the median of TIMED_STEPS each) once per bucket of sizes, (2^(k-1), 2^k],
+at the bucket's largest size named: every size of a bucket where compiled is faster runs compiled
+(`timings` says by how much, per size timed). A 256-row translator's start times 9 sizes, not 256.
+A step of another batch size runs eagerly, and so does one that would need a new graph
+(torch.compiler's eager_on_recompile stance): no request waits for a compilation.
 """
 
 import logging
@@ -58,7 +60,7 @@ class CompiledDecode:
         # Without inductor's size asserts (a check of every tensor an extern kernel returns, about
         # 125 a step): 1.035x at batches 1 and 16, the same logits (docs/performance.md).
         self._compiled = torch.compile(self._step, dynamic=True, options={"size_asserts": False})
-        self.timings: dict[int, tuple[float, float]] = {}  # batch size -> (eager, compiled) seconds per step
+        self.timings: dict[int, tuple[float, float]] = {}  # batch size timed -> (eager, compiled) seconds per step
         self.batch_sizes: frozenset[int] = frozenset()  # those that run compiled
         self._warm_up(sorted(set(batch_sizes)))
 
@@ -88,7 +90,7 @@ class CompiledDecode:
     @torch.inference_mode()
     def _warm_up(self, batch_sizes: list[int]) -> None:
         keys = min(WARM_UP_KEYS if self.sources is None else WARM_UP_TRANSLATION_KEYS, self.model.config.max_len)  # within its positions
-        for batch in batch_sizes:
+        for batch, sizes in size_buckets(batch_sizes).items():
             started = time.perf_counter()
             # A second length: where the first graph took a length as a constant, torch recompiles
             # it here with that size symbolic, not at a request (without it, the shipped generator's
@@ -99,14 +101,16 @@ class CompiledDecode:
             self.timings[batch] = self.time_step(batch, keys, TIMED_STEPS)
             faster = self.timings[batch][1] < self.timings[batch][0]
             if faster:
-                self.batch_sizes |= {batch}
+                self.batch_sizes |= set(sizes)
             logger.info(
-                "decode at batch %d: eager %.1f ms, compiled %.1f ms (compiled in %.0f s): %s",
+                "decode at batch %d: eager %.1f ms, compiled %.1f ms (compiled in %.0f s): %s at %d-%d",
                 batch,
                 1e3 * self.timings[batch][0],
                 1e3 * self.timings[batch][1],
                 compile_seconds,
                 "compiled" if faster else "eager",
+                sizes[0],
+                sizes[-1],
             )
 
     @torch.inference_mode()
@@ -139,6 +143,15 @@ class CompiledDecode:
         source_slots = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # (B, 1)
         source_lengths = torch.full((batch,), min(WARM_UP_SOURCE_TOKENS, self.sources.length), device=self.device)  # (B,)
         return (*inputs, source_slots, source_lengths)
+
+
+def size_buckets(batch_sizes: Sequence[int]) -> dict[int, list[int]]:
+    """batch_sizes (ascending) grouped by bucket, (2^(k-1), 2^k]: each bucket's sizes under its
+    largest, the one a warm-up times."""
+    buckets: dict[int, list[int]] = {}
+    for size in batch_sizes:
+        buckets.setdefault((size - 1).bit_length(), []).append(size)
+    return {sizes[-1]: sizes for sizes in buckets.values()}
 
 
 def padded_blocks(group: DecodeGroup, block_size: int) -> tuple[Tensor, Tensor]:

@@ -71,9 +71,10 @@ class EngineConfig:
     prefix_caching: bool = True
     # Batch sizes at which a decoder-only model's decode-only steps, and a translator's decoder steps
     # (its rows, each beam one; where the CPU attention kernel runs), run compiled by torch.compile
-    # (inductor; service/engine/compiled_decode.py): compiled and timed against the eager step when
-    # the replica starts (a minute or two per graph on 2 CPU cores), each kept only where the
-    # compiled step is faster. Empty: every step eager. Not used where CUDA graphs run the decodes.
+    # (inductor; service/engine/compiled_decode.py): compiled when the replica starts (a minute or
+    # two per graph on 2 CPU cores) and timed against the eager step once per power-of-two bucket
+    # of sizes, each bucket kept only where the compiled step is faster. Empty: every step eager.
+    # Not used where CUDA graphs run the decodes.
     compiled_decode: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

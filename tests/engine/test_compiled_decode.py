@@ -17,7 +17,7 @@ from model.generator import Generator
 from model.kv_cache import ragged_step
 from model.packed_linear import pack_linear_layers, packing_available
 from model.translator import Translator
-from service.engine.compiled_decode import CompiledDecode
+from service.engine.compiled_decode import CompiledDecode, size_buckets
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
@@ -40,13 +40,17 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Generator, TextToke
 @pytest.fixture(scope="module")
 def runner(llama: tuple[Generator, TextTokenizer]) -> GeneratorRunner:
     """A runner whose both graphs (batch 1 and the shared one) are compiled, and which runs every
-    size 1-4 compiled, whatever the timings said."""
+    size 1-4 compiled, whatever the timings said. Its warm-up timed one size per bucket (3 and 4
+    share 4's), and kept the buckets where compiled was faster."""
     model, tokenizer = llama
     counters.clear()
-    runner = GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4, compiled_decode=(1, 2)))
+    runner = GeneratorRunner(model, tokenizer, EngineConfig(n_slots=4, compiled_decode=(1, 2, 3, 4)))
     assert runner.compiled is not None
     assert not counters["graph_break"], f"the decode step is not one graph: {dict(counters['graph_break'])}"
-    assert set(runner.compiled.timings) == {1, 2} and all(eager > 0 and fast > 0 for eager, fast in runner.compiled.timings.values())
+    timings = runner.compiled.timings
+    assert set(timings) == {1, 2, 4} and all(eager > 0 and fast > 0 for eager, fast in timings.values())
+    won = {size for size, (eager, fast) in timings.items() if fast < eager}
+    assert runner.compiled.batch_sizes == {size for size in (1, 2, 3, 4) if (4 if size == 3 else size) in won}
     runner.compiled.batch_sizes = frozenset({1, 2, 3, 4})
     return runner
 
@@ -127,6 +131,19 @@ def test_an_engine_with_compiled_decodes_answers_as_the_plain_engine(
             return model(torch.tensor([prompt + prefix]))[0, -1]
 
         assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)
+
+
+def test_a_warm_up_times_the_largest_size_of_each_power_of_two_bucket() -> None:
+    assert size_buckets(list(range(1, 18))) == {
+        1: [1],
+        2: [2],
+        4: [3, 4],
+        8: [5, 6, 7, 8],
+        16: list(range(9, 17)),
+        17: [17],
+    }
+    assert size_buckets([1, 4, 48]) == {1: [1], 4: [4], 48: [48]}  # sizes named one by one are each timed
+    assert size_buckets([5, 6]) == {6: [5, 6]}
 
 
 def test_compiled_batch_sizes_are_within_the_slots() -> None:
