@@ -44,7 +44,8 @@ Prints a table; with --json the last line is one JSON object: each figure, the r
 the same for our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py) and for
 ours with the compiled decode step (<work>_compiled_vs_<peer>, "ours_compiled":
 service/engine/compiled_decode.py, compiled at every batch size up to the work's: in translation
-every row count up to the slots, 8 with --quick; its start, compiling and timing each size, is
+every row count up to the slots, 8 with --quick; its start, compiling and timing one size per
+power-of-two bucket, is
 <work>_start_seconds_ours_compiled), the BLEU of
 each system and the share of each other system's outputs equal to ours (<work>_same_as_ours_<system>);
 "models" names the folders compared (path, kind ours / hugging_face, context, languages).
@@ -566,7 +567,8 @@ def main() -> None:
     notes = [
         "ours_int8: int8 linear layers and output projection, one scale per token and per output channel (model/quantize.py)",
         f"{COMPILED}: ours with the decode step compiled by torch.compile at every batch size up to the work's (in translation: "
-        "rows, each beam one), where its start measured it faster (EngineConfig.compiled_decode; off by default in the service)",
+        "rows, each beam one), where its start measured it faster, one size timed per power-of-two bucket "
+        "(EngineConfig.compiled_decode; off by default in the service)",
         f"translation: {BATCH_SENTENCES} sentences in flight for every system (our engine: {BATCH_SENTENCES} x beam size slots)",
         tokenization_note("translator", translator),
         tokenization_note("generator", generator),
