@@ -465,7 +465,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", nargs="?", type=Path, const=RESULTS, metavar="FILE", help=f"write the figures to FILE ({RESULTS})")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
-    parser.add_argument("--compiled-decode", metavar="B[-B][,...]", help="our service's --compiled-decode, e.g. 1-16 (default: off, its default)")
+    parser.add_argument(
+        "--compiled-decode", metavar="B[-B][,...]", help="our service's --compiled-decode, e.g. 1-16 (default: off, its default)"
+    )
     args = parser.parse_args(argv)
     our_options = ["--compiled-decode", args.compiled_decode] if args.compiled_decode else []
     systems, scenarios = args.systems.split(","), args.scenarios.split(",")
