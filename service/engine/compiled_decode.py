@@ -33,6 +33,7 @@ from torch import Tensor
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, DecodeGroup, PagedKVCache, RaggedStep, ragged_step
 from model.translator import Translator
+from service.engine.fixed_shape import bucket, buckets
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +147,13 @@ class CompiledDecode:
 
 
 def size_buckets(batch_sizes: Sequence[int]) -> dict[int, list[int]]:
-    """batch_sizes (ascending) grouped by bucket, (2^(k-1), 2^k]: each bucket's sizes under its
-    largest, the one a warm-up times."""
-    buckets: dict[int, list[int]] = {}
+    """batch_sizes (ascending) grouped by the bucket each falls in, (2^(k-1), 2^k] (the CUDA graphs'
+    buckets, fixed_shape.buckets): each bucket's sizes under its largest, the one a warm-up times."""
+    limits = buckets(batch_sizes[-1])
+    grouped: dict[int, list[int]] = {}
     for size in batch_sizes:
-        buckets.setdefault((size - 1).bit_length(), []).append(size)
-    return {sizes[-1]: sizes for sizes in buckets.values()}
+        grouped.setdefault(bucket(size, limits), []).append(size)
+    return {sizes[-1]: sizes for sizes in grouped.values()}
 
 
 def padded_blocks(group: DecodeGroup, block_size: int) -> tuple[Tensor, Tensor]:
