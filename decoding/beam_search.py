@@ -32,8 +32,7 @@ class BeamState:
         self.eos_id = eos_id
         self.max_new_tokens = max_new_tokens
         self.length_penalty = length_penalty
-        self.scores = torch.full((beam_size,), float("-inf"))
-        self.scores[0] = 0.0  # all beams start identical: expand only the first
+        self.scores = [0.0] + [float("-inf")] * (beam_size - 1)  # all beams start identical: expand only the first
         self.sequences: list[list[int]] = [[] for _ in range(beam_size)]
         self.finished: list[Hypothesis] = []
         self.done = False
@@ -41,36 +40,23 @@ class BeamState:
     def _normalised(self, score: float, length: int) -> float:
         return score / (length**self.length_penalty)
 
-    def advance(self, top_scores: list[float], top_index: list[int], vocab_size: int) -> tuple[list[int], list[int]]:
-        """Takes the step given this sentence's 2K best candidates (scores, and indices into its
-        flattened (K, V) beam x token scores), best first. Returns (parents, tokens), K each."""
-        K = self.beam_size
-        parents, tokens, scores = [], [], []
-        for rank, (score, index) in enumerate(zip(top_scores, top_index, strict=True)):
-            parent, token = divmod(index, vocab_size)
-            if token == self.eos_id:
-                if rank < K:  # an ending only counts if it is among the K best candidates
-                    sequence = self.sequences[parent]
-                    self.finished.append(Hypothesis(sequence, self._normalised(score, len(sequence) + 1)))
-                continue
-            parents.append(parent)
-            tokens.append(token)
-            scores.append(score)
-            if len(parents) == K:
-                break
+    def advance(self, parents: list[int], tokens: list[int], scores: list[float], endings: list[tuple[int, float]]) -> None:
+        """Takes the step chosen from this sentence's 2K best candidates (best first): the beams
+        ending with eos among the K best, as (parent, score), become hypotheses; the K best others
+        are the live beams, beam i continuing beam parents[i] with tokens[i], scored scores[i]."""
+        for parent, score in endings:
+            sequence = self.sequences[parent]
+            self.finished.append(Hypothesis(sequence, self._normalised(score, len(sequence) + 1)))
         self.sequences = [self.sequences[p] + [t] for p, t in zip(parents, tokens, strict=True)]
-        self.scores = torch.tensor(scores)
-        if len(self.finished) >= K or len(self.sequences[0]) >= self.max_new_tokens:
+        self.scores = scores
+        if len(self.finished) >= self.beam_size or len(self.sequences[0]) >= self.max_new_tokens:
             self.done = True
-        return parents, tokens
 
     def best(self, n: int) -> list[Hypothesis]:
         """The n best hypotheses; unfinished beams count when fewer than n have ended."""
         pool = list(self.finished)
         if len(pool) < n:
-            pool += [
-                Hypothesis(s, self._normalised(float(sc), len(s) + 1)) for s, sc in zip(self.sequences, self.scores.tolist(), strict=True)
-            ]
+            pool += [Hypothesis(s, self._normalised(sc, len(s) + 1)) for s, sc in zip(self.sequences, self.scores, strict=True)]
         return sorted(pool, key=lambda h: h.score, reverse=True)[:n]
 
 
@@ -80,8 +66,10 @@ def step_beams(states: list[BeamState], logits: Tensor, rows: Tensor | None = No
     order), read where they lie. A beam's candidates are its 2K most likely tokens (no other of its
     tokens can be among its sentence's 2K best), scored by its score plus their log-probabilities
     (logit less the row's log-sum-exp); one top-k over the K x 2K candidates of each sentence serves
-    all the sentences of a beam size. Returns each sentence's (parents, tokens), K each: live beam
-    i continues beam parents[i] with tokens[i]."""
+    all the sentences of a beam size, and the choice among a sentence's 2K best is made for all of
+    them at once: an eos among the K best ends a hypothesis, the K best others live on (there are K
+    at least: a beam's candidates hold one eos at most). Returns each sentence's (parents, tokens),
+    K each: live beam i continues beam parents[i] with tokens[i]."""
     V = logits.shape[-1]
     widest = min(2 * max(state.beam_size for state in states), V)
     top_logits, top_ids, lse = row_top_k(logits.float().cpu(), widest, rows=rows)  # (R, widest) twice, (R,)
@@ -93,18 +81,28 @@ def step_beams(states: list[BeamState], logits: Tensor, rows: Tensor | None = No
     moves: list[tuple[list[int], list[int]]] = [([], [])] * len(states)
     for K in sorted({state.beam_size for state in states}):
         group = [i for i, state in enumerate(states) if state.beam_size == K]
-        width = min(2 * K, V)
+        G, width = len(group), min(2 * K, V)
         log_probs, ids = top_log_probs[:, :width], top_ids[:, :width]  # (G * K, width): every sentence has this beam size, the usual case
-        if len(group) < len(states):
+        if len(states) > G:
             rows = torch.tensor([starts[i] + k for i in group for k in range(K)])
             log_probs, ids = log_probs.index_select(0, rows), ids.index_select(0, rows)
-        scores = torch.stack([states[i].scores for i in group])  # (G, K)
-        candidates = (scores[:, :, None] + log_probs.reshape(len(group), K, width)).view(len(group), K * width)
-        top_scores, top_index = candidates.topk(min(2 * K, K * width), dim=-1)  # (G, 2K) each
-        tokens = ids.reshape(len(group), K * width).gather(1, top_index)  # (G, 2K)
-        flat_index = top_index // width * V + tokens  # into each sentence's (K, V) beam x token scores
-        for i, best_scores, best_index in zip(group, top_scores.tolist(), flat_index.tolist(), strict=True):
-            moves[i] = states[i].advance(best_scores, best_index, V)
+        scores = torch.tensor([states[i].scores for i in group])  # (G, K)
+        candidates = (scores[:, :, None] + log_probs.reshape(G, K, width)).view(G, K * width)
+        top_scores, top_index = candidates.topk(min(2 * K, K * width), dim=-1)  # (G, C) each, C = 2K but where V < 2K
+        tokens = ids.reshape(G, K * width).gather(1, top_index)  # (G, C)
+        parents = top_index // width  # (G, C)
+        is_eos = tokens == torch.tensor([states[i].eos_id for i in group])[:, None]  # (G, C)
+        live = ~is_eos & (torch.cumsum(~is_eos, dim=1) <= K)  # (G, C): the K best candidates that are not eos
+        ending = is_eos[:, :K]  # (G, K): an ending counts only among the K best candidates
+        ended = ending.any(1).tolist()
+        chosen = (t[live].view(G, K).tolist() for t in (parents, tokens, top_scores))
+        for n, i, step_parents, step_tokens, step_scores in zip(range(G), group, *chosen, strict=True):
+            endings = []
+            if ended[n]:
+                at = ending[n].nonzero()[:, 0]
+                endings = list(zip(parents[n, at].tolist(), top_scores[n, at].tolist(), strict=True))
+            states[i].advance(step_parents, step_tokens, step_scores, endings)
+            moves[i] = (step_parents, step_tokens)
     return moves
 
 

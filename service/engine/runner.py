@@ -404,7 +404,7 @@ class TranslatorRunner:
 
     def _encode(self, requests: list[Request], upcoming: list[Request]) -> None:
         """The admitted requests' cross-attention keys and values written to their slots (each beam
-        row its own copy of its sentence's). Sources encoded ahead are taken as they are; the others
+        row its own copy of its sentence's, or the first row only: `_source_slots`). Sources encoded ahead are taken as they are; the others
         go through the encoder together, and with them, up to encoded_ahead_tokens, the upcoming
         requests' (still waiting, next in line): their keys are kept for the step that admits
         them, so that the encoder runs once for several steps' sources, in a batch of many rows.
@@ -414,7 +414,7 @@ class TranslatorRunner:
         if kept:  # their keys, one request after another
             layers = zip(*(self.encoded_ahead.pop(r.request_id) for r in kept), strict=True)  # per layer, each request's (k, v)
             kept_kv = [(torch.cat([k for k, _ in layer]), torch.cat([v for _, v in layer])) for layer in layers]  # (N, H, D)
-            self.cross_cache.write([r.slots for r in kept], [len(r.prompt_ids) for r in kept], kept_kv)
+            self.cross_cache.write([self._source_slots(r) for r in kept], [len(r.prompt_ids) for r in kept], kept_kv)
         next_in_line = {r.request_id for r in upcoming}
         for stale in [i for i in self.encoded_ahead if i not in next_in_line]:  # ended while waiting, or no longer next
             del self.encoded_ahead[stale]
@@ -428,11 +428,18 @@ class TranslatorRunner:
                 room -= len(r.prompt_ids)
         memory_kv = self._encode_sources([r.prompt_ids for r in fresh + ahead])  # per layer (N, H, D) each
         first = sum(len(r.prompt_ids) for r in fresh)  # the fresh sources' tokens come first
-        self.cross_cache.write([r.slots for r in fresh], [len(r.prompt_ids) for r in fresh], [(k[:first], v[:first]) for k, v in memory_kv])
+        lengths = [len(r.prompt_ids) for r in fresh]
+        self.cross_cache.write([self._source_slots(r) for r in fresh], lengths, [(k[:first], v[:first]) for k, v in memory_kv])
         for r in ahead:  # copies: the step's batch is not kept for them
             n = len(r.prompt_ids)
             self.encoded_ahead[r.request_id] = [(k[first : first + n].clone(), v[first : first + n].clone()) for k, v in memory_kv]
             first += n
+
+    def _source_slots(self, r: Request) -> list[int]:
+        """The request's slots that hold a copy of its source's keys: where the CPU kernel reads
+        sources in place (`step_logits`), a sentence's beams all read its first slot's, so that one
+        only; the other steps read each row's own."""
+        return r.slots[:1] if self.fixed_shape is None and self.cross_cache.decode_kernel else r.slots
 
     def _start_beams(self, requests: list[Request]) -> None:
         """Each admitted beam search's state."""

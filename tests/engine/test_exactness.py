@@ -202,8 +202,8 @@ def test_beam_searches_sharing_source_reads_equal_offline_beam_search(
 ) -> None:
     """Only beam-4 requests, joining at different steps and leaving as they finish: the engine's
     dynamic step reads each sentence's cross-attention keys once for its 4 rows (beam_group), or,
-    with the CPU kernel, each row its own in place, and every result equals the offline beam
-    search of that sentence alone."""
+    with the CPU kernel, in place from its first slot, the one slot its keys are written to; and
+    every result equals the offline beam search of that sentence alone."""
     sources = [[5, 9, 13, 7, EOS_ID], [40, 41, EOS_ID], [8, 8, 8, EOS_ID], [21, 33, 60, 4, 17, EOS_ID], [11, EOS_ID]]
     engine = translator_engine(device=device, fixed_shape_decode=False)
     runner = engine.runner
@@ -218,6 +218,9 @@ def test_beam_searches_sharing_source_reads_equal_offline_beam_search(
         return groups[-1]
 
     monkeypatch.setattr(runner_module, "beam_group", recorded)
+    written: list[int] = []  # how many slots each written source went to
+    write = runner.cross_cache.write
+    monkeypatch.setattr(runner.cross_cache, "write", lambda slots, *rest: written.extend(map(len, slots)) or write(slots, *rest))
     params = GenerationParams(sampling=GREEDY, max_tokens=8, beam_size=4)
     arrivals = {
         0: [Request(f"b{i}", s, params) for i, s in enumerate(sources[:3])],
@@ -230,10 +233,13 @@ def test_beam_searches_sharing_source_reads_equal_offline_beam_search(
         for d in engine.step().deltas:
             if d.finish_reason is not None:
                 finals[d.request_id] = d.text
+    assert len(written) == len(sources)
     if source_kernel:
-        assert groups == []  # no grouping: every row reads its own source in place
+        assert groups == []  # no grouping: every row reads its sentence's source in place
+        assert set(written) == {1}  # one copy of each source, in the sentence's first slot
     else:
         assert 4 in groups, groups  # steps that read each sentence's keys once for its 4 beams
+        assert set(written) == {4}  # a copy per beam
     tokenizer = FakeTokenizer()
     for i, s in enumerate(sources):
         expected = beam_search(runner.model, torch.tensor([s], device=device), beam_size=4, max_new_tokens=8)[0]

@@ -59,14 +59,26 @@ def test_greedy_ids_are_argmax_with_its_ties(path: str) -> None:
 
 
 def step_over_the_vocabulary(states: list[BeamState], logits: torch.Tensor) -> list[tuple[list[int], list[int]]]:
-    """The plain beam step: every beam x token candidate scored, one top-2K per sentence."""
+    """The plain beam step: every beam x token candidate scored, one top-2K per sentence, walked
+    best first: an eos among the K best ends a hypothesis, the first K others live on."""
     log_probs = F.log_softmax(logits, dim=-1)
     moves, first = [], 0
     for state in states:
         K, V = state.beam_size, logits.shape[-1]
-        candidates = (state.scores[:, None] + log_probs[first : first + K]).view(-1)  # (K x V,)
+        candidates = (torch.tensor(state.scores)[:, None] + log_probs[first : first + K]).view(-1)  # (K x V,)
         scores, index = candidates.topk(2 * K)
-        moves.append(state.advance(scores.tolist(), index.tolist(), V))
+        parents, tokens, live_scores, endings = [], [], [], []
+        for rank, (score, flat) in enumerate(zip(scores.tolist(), index.tolist(), strict=True)):
+            parent, token = divmod(flat, V)
+            if token == state.eos_id:
+                if rank < K:
+                    endings.append((parent, score))
+            elif len(parents) < K:
+                parents.append(parent)
+                tokens.append(token)
+                live_scores.append(score)
+        state.advance(parents, tokens, live_scores, endings)
+        moves.append((parents, tokens))
         first += K
     return moves
 
@@ -84,4 +96,4 @@ def test_a_beam_step_from_each_rows_top_2k_equals_the_step_over_the_vocabulary(p
         assert step_beams(fast, in_step, shuffled) == step_over_the_vocabulary(plain, logits)
         for a, b in zip(fast, plain, strict=True):
             assert a.sequences == b.sequences and len(a.finished) == len(b.finished)
-            torch.testing.assert_close(a.scores, b.scores, rtol=0, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(a.scores), torch.tensor(b.scores), rtol=0, atol=1e-5)
