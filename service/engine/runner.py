@@ -404,11 +404,12 @@ class TranslatorRunner:
 
     def _encode(self, requests: list[Request], upcoming: list[Request]) -> None:
         """The admitted requests' cross-attention keys and values written to their slots (each beam
-        row its own copy of its sentence's, or the first row only: `_source_slots`). Sources encoded ahead are taken as they are; the others
-        go through the encoder together, and with them, up to encoded_ahead_tokens, the upcoming
-        requests' (still waiting, next in line): their keys are kept for the step that admits
-        them, so that the encoder runs once for several steps' sources, in a batch of many rows.
-        Kept keys of a request no longer upcoming (it ended while waiting) go at the next admission."""
+        row its own copy of its sentence's, or its first row alone: `_source_slots`). Sources
+        encoded ahead are taken as they are; the others go through the encoder together, and with
+        them, up to encoded_ahead_tokens, the upcoming requests' (still waiting, next in line):
+        their keys are kept for the step that admits them, so that the encoder runs once for
+        several steps' sources, in a batch of many rows. Kept keys of a request no longer upcoming
+        (it ended while waiting) go at the next admission."""
         kept = [r for r in requests if r.request_id in self.encoded_ahead]
         fresh = [r for r in requests if r.request_id not in self.encoded_ahead]
         if kept:  # their keys, one request after another
