@@ -94,14 +94,13 @@ def step_beams(states: list[BeamState], logits: Tensor, rows: Tensor | None = No
         is_eos = tokens == torch.tensor([states[i].eos_id for i in group])[:, None]  # (G, C)
         live = ~is_eos & (torch.cumsum(~is_eos, dim=1) <= K)  # (G, C): the K best candidates that are not eos
         ending = is_eos[:, :K]  # (G, K): an ending counts only among the K best candidates
-        ended = ending.any(1).tolist()
+        endings: list[list[tuple[int, float]]] = [[] for _ in group]  # each sentence's (parent, score), best first
+        ended = zip(ending.nonzero()[:, 0].tolist(), parents[:, :K][ending].tolist(), top_scores[:, :K][ending].tolist(), strict=True)
+        for n, parent, score in ended:
+            endings[n].append((parent, score))
         chosen = (t[live].view(G, K).tolist() for t in (parents, tokens, top_scores))
-        for n, i, step_parents, step_tokens, step_scores in zip(range(G), group, *chosen, strict=True):
-            endings = []
-            if ended[n]:
-                at = ending[n].nonzero()[:, 0]
-                endings = list(zip(parents[n, at].tolist(), top_scores[n, at].tolist(), strict=True))
-            states[i].advance(step_parents, step_tokens, step_scores, endings)
+        for i, step_parents, step_tokens, step_scores, step_endings in zip(group, *chosen, endings, strict=True):
+            states[i].advance(step_parents, step_tokens, step_scores, step_endings)
             moves[i] = (step_parents, step_tokens)
     return moves
 

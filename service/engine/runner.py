@@ -436,11 +436,17 @@ class TranslatorRunner:
             self.encoded_ahead[r.request_id] = [(k[first : first + n].clone(), v[first : first + n].clone()) for k, v in memory_kv]
             first += n
 
+    @property
+    def reads_sources_in_place(self) -> bool:
+        """Whether decoder steps read each row's source keys where they lie, through the CPU
+        kernel (`step_logits`), a sentence's beams all from its first slot's copy; else (the
+        fixed-shape step, SDPA) each row reads its own copy."""
+        return self.fixed_shape is None and self.cross_cache.decode_kernel
+
     def _source_slots(self, r: Request) -> list[int]:
-        """The request's slots that hold a copy of its source's keys: where the CPU kernel reads
-        sources in place (`step_logits`), a sentence's beams all read its first slot's, so that one
-        only; the other steps read each row's own."""
-        return r.slots[:1] if self.fixed_shape is None and self.cross_cache.decode_kernel else r.slots
+        """The request's slots that hold a copy of its source's keys: its first alone where
+        sources are read in place, else every beam's."""
+        return r.slots[:1] if self.reads_sources_in_place else r.slots
 
     def _start_beams(self, requests: list[Request]) -> None:
         """Each admitted beam search's state."""
@@ -523,7 +529,7 @@ class TranslatorRunner:
             return self.fixed_shape(paged, source_length), list(range(len(fed)))
         memory_kv: list[tuple[Tensor, Tensor]] | list[SourceLayer]
         sources = None
-        if self.cross_cache.decode_kernel:  # each row's source keys read in place by the CPU kernel
+        if self.reads_sources_in_place:  # each row's source keys read in place by the CPU kernel
             rows = list(fed)  # in fed's order, no idle rows: every cache is read through tables
             first = {slot: slots[0] for slots in slots_of_requests for slot in slots}  # a sentence's beams read one copy
             sources = self.cross_cache.sources([first[row] for row in rows])
