@@ -1,17 +1,31 @@
 /* Linear layers of a few rows on the CPU, float32: y = x W^T + b for the 1 to 128 rows of a decode
  * step, reading the weight once, at memory speed, from a panel layout: W (out, in) cut into panels
  * of PANEL output columns, each stored (in, PANEL) contiguous, the last zero-padded. A panel's 32
- * columns are 2 vectors of 16 floats; up to 8 rows at a time accumulate 16 vectors in registers,
- * so at 8 rows each weight read from memory feeds as many multiply-adds as the memory's speed
- * allows, and rows past 8 read the panel (74 KB for in = 576) again from the L2 cache. Written with
- * gcc's vector extensions: AVX-512 with -march=native where the CPU has it, AVX2 or NEON otherwise.
- * Built and loaded by model/cpu_kernels.py; used by model/packed_linear.py. */
+ * columns are PANEL / LANES vectors of the CPU's width; ROW_GROUP rows at a time accumulate
+ * ROW_GROUP x PANEL / LANES vectors in registers (with AVX-512, 8 rows in 16 of its 32), so each
+ * weight read from memory feeds several multiply-adds, and rows past the group read the panel
+ * (74 KB for in = 576) again from the L2 cache. Written with gcc's vector extensions, built with
+ * -march=native. Vectors wider than the CPU's, or accumulators past its registers, are split and
+ * spilled to the stack: 16-float vectors on an AVX2 CPU (AMD EPYC Zen 3) ran at 2 GFLOP/s, 8-float
+ * ones at 25-64 (docs/performance.md). Built and loaded by model/cpu_kernels.py; used by
+ * model/packed_linear.py. */
 #include <stdint.h>
 #include <string.h>
 
 #define PANEL 32
+#if defined(__AVX512F__) /* 32 registers of 16 floats */
 #define LANES 16
 #define ROW_GROUP 8
+#elif defined(__AVX__) /* 16 registers of 8 floats */
+#define LANES 8
+#define ROW_GROUP 3
+#elif defined(__aarch64__) /* NEON: 32 registers of 4 floats */
+#define LANES 4
+#define ROW_GROUP 3
+#else /* SSE: 16 registers of 4 floats */
+#define LANES 4
+#define ROW_GROUP 1
+#endif
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
@@ -49,15 +63,20 @@ void panel_linear(const float *x, const float *panels, const float *bias, float 
         for (int64_t r = 0; r < rows; r += ROW_GROUP) {
             const float *xr = x + r * in;
             float *yr = y + r * out;
-            switch (rows - r) { /* a constant R in each call: the row loops unroll, acc stays in registers */
-            case 1: panel_rows(1, xr, panel, bias, yr, in, out, column, width); break;
-            case 2: panel_rows(2, xr, panel, bias, yr, in, out, column, width); break;
-            case 3: panel_rows(3, xr, panel, bias, yr, in, out, column, width); break;
-            case 4: panel_rows(4, xr, panel, bias, yr, in, out, column, width); break;
-            case 5: panel_rows(5, xr, panel, bias, yr, in, out, column, width); break;
-            case 6: panel_rows(6, xr, panel, bias, yr, in, out, column, width); break;
+            /* A constant R in each call: the row loops unroll, the accumulators stay in registers. */
+            switch (rows - r < ROW_GROUP ? rows - r : ROW_GROUP) {
+#if ROW_GROUP >= 8
+            case 8: panel_rows(8, xr, panel, bias, yr, in, out, column, width); break;
             case 7: panel_rows(7, xr, panel, bias, yr, in, out, column, width); break;
-            default: panel_rows(ROW_GROUP, xr, panel, bias, yr, in, out, column, width); break;
+            case 6: panel_rows(6, xr, panel, bias, yr, in, out, column, width); break;
+            case 5: panel_rows(5, xr, panel, bias, yr, in, out, column, width); break;
+            case 4: panel_rows(4, xr, panel, bias, yr, in, out, column, width); break;
+#endif
+#if ROW_GROUP >= 3
+            case 3: panel_rows(3, xr, panel, bias, yr, in, out, column, width); break;
+            case 2: panel_rows(2, xr, panel, bias, yr, in, out, column, width); break;
+#endif
+            default: panel_rows(1, xr, panel, bias, yr, in, out, column, width); break;
             }
         }
     }

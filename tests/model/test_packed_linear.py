@@ -4,8 +4,12 @@ and on the shipped checkpoints the packed models decode the same tokens as the p
 session runs torch on one thread (tests/conftest.py), so a few rows take the panel kernel unless a
 test sets more threads."""
 
+import ctypes
+import platform
 import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from decoding.reference_decoding import generate_greedy_uncached
 from decoding.translate import greedy_translate
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from loading.tokenizer import EOS_ID
+from model import cpu_kernels
 from model.generator import Generator
 from model.packed_linear import (
     MAX_PACKED_ROWS,
@@ -25,6 +30,7 @@ from model.packed_linear import (
     packing_available,
     padded_rows,
     panels_apply,
+    to_panels,
 )
 from model.positions import apply_rope, rope_tables
 from model.translator import Translator
@@ -195,3 +201,35 @@ def test_packed_generator_generates_as_the_plain_one() -> None:
         ids = tokenizer.encode(prompt)
         with torch.inference_mode():
             assert generate_greedy_uncached(packed, ids, 40) == generate_greedy_uncached(plain, ids, 40)
+
+
+def _vector_targets() -> list[str]:
+    """gcc -march levels this CPU runs, one per vector width the panel kernel picks: SSE's 4 floats,
+    AVX2's 8 and AVX-512's 16 (x86); the native one elsewhere."""
+    if platform.machine() != "x86_64":
+        return ["native"]
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    return ["x86-64"] + ["x86-64-v3"] * ("avx2" in flags and "fma" in flags) + ["x86-64-v4"] * ("avx512f" in flags)
+
+
+@pytest.mark.parametrize("target", _vector_targets())
+def test_the_panel_kernel_built_for_each_vector_width_equals_the_plain_product(target: str, tmp_path: Path) -> None:
+    """Each width has its own accumulators per row group (model/csrc/panel_linear.c): every group
+    remainder, part panels and no bias, built for each width this CPU runs, not only its widest."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    flags = [flag if flag != "-march=native" else f"-march={target}" for flag in cpu_kernels.COMPILE_FLAGS]
+    source = Path(cpu_kernels.__file__).parent / "csrc" / "panel_linear.c"
+    library = tmp_path / "panel_linear.so"
+    subprocess.run([compiler, *flags, "-shared", str(source), "-o", str(library)], check=True, capture_output=True)
+    kernel = ctypes.CDLL(str(library)).panel_linear
+    kernel.restype, kernel.argtypes = None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    torch.manual_seed(0)
+    for rows in range(1, 18):
+        for out_features, bias in ((96, True), (70, False)):
+            weight, x = torch.randn(out_features, 48), torch.randn(rows, 48)
+            b = torch.randn(out_features) if bias else None
+            panels, y = to_panels(weight), torch.empty(rows, out_features)
+            kernel(x.data_ptr(), panels.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(), rows, 48, out_features)
+            assert torch.allclose(y, F.linear(x, weight, b), atol=1e-5, rtol=1e-5), (rows, out_features)
