@@ -26,6 +26,7 @@
 #define LANES 4
 #define ROW_GROUP 1
 #endif
+_Static_assert(ROW_GROUP == 1 || ROW_GROUP == 3 || ROW_GROUP == 8, "panel_linear's switch has cases for groups of 1, 3 and 8 rows");
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
