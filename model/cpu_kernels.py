@@ -24,7 +24,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 # -ffast-math lets gcc vectorise expf (glibc's libmvec) and the reductions; it is given to the
 # compile only, not the link, so that the library does not switch the process's floating point
 # to flush denormals (gcc links crtfastmath.o into a -ffast-math link).
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=gnu11")
+COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=gnu11")  # and build()'s -march
 DISABLE_ENV = "TRANSFORMER_SERVING_NO_CPU_KERNELS"  # set (to anything): torch's paths only
 # The kernels as torch operators, torch.ops.transformer_serving.NAME: what a compiled step's graph calls.
 OPERATORS = torch.library.Library("transformer_serving", "FRAGMENT")
@@ -46,11 +46,12 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def build(compiler: str, directory: Path) -> Path:
-    """Compiles the kernels with `compiler` into one shared library in `directory` (once per
-    sources, flags and CPU) and returns its path. Raises subprocess.CalledProcessError if they do
-    not compile."""
-    digest = hashlib.sha256(" ".join(COMPILE_FLAGS).encode() + _cpu_fingerprint().encode())
+def build(compiler: str, directory: Path, march: str = "native") -> Path:
+    """Compiles the kernels with `compiler` for gcc's -march=`march` (native: this CPU; the tests
+    build other vector widths) into one shared library in `directory` (once per sources, flags and
+    CPU) and returns its path. Raises subprocess.CalledProcessError if they do not compile."""
+    flags = (*COMPILE_FLAGS, f"-march={march}")
+    digest = hashlib.sha256(" ".join(flags).encode() + _cpu_fingerprint().encode())
     for source in SOURCES:
         digest.update(source.name.encode() + source.read_bytes())
     library = directory / f"cpu-kernels-{digest.hexdigest()[:16]}.so"
@@ -60,7 +61,7 @@ def build(compiler: str, directory: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
         for source, obj in zip(SOURCES, objects, strict=True):
-            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)], check=True, capture_output=True)
+            subprocess.run([compiler, *flags, "-c", str(source), "-o", str(obj)], check=True, capture_output=True)
         built = Path(scratch) / "kernels.so"
         subprocess.run([compiler, "-shared", *map(str, objects), "-o", str(built), "-lm"], check=True, capture_output=True)
         os.replace(built, library)  # atomic: replicas building at once each install a whole library

@@ -7,7 +7,6 @@ test sets more threads."""
 import ctypes
 import platform
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -219,11 +218,7 @@ def test_the_panel_kernel_built_for_each_vector_width_equals_the_plain_product(t
     compiler = shutil.which("cc")
     if compiler is None:
         pytest.skip("no C compiler")
-    flags = [flag if flag != "-march=native" else f"-march={target}" for flag in cpu_kernels.COMPILE_FLAGS]
-    source = Path(cpu_kernels.__file__).parent / "csrc" / "panel_linear.c"
-    library = tmp_path / "panel_linear.so"
-    subprocess.run([compiler, *flags, "-shared", str(source), "-o", str(library)], check=True, capture_output=True)
-    kernel = ctypes.CDLL(str(library)).panel_linear
+    kernel = ctypes.CDLL(str(cpu_kernels.build(compiler, tmp_path, march=target))).panel_linear
     kernel.restype, kernel.argtypes = None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     torch.manual_seed(0)
     for rows in range(1, 18):
