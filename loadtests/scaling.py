@@ -77,6 +77,7 @@ class Load:
     translations: int  # clients of /v1/translate (one sentence, beam 4)
     max_requests: int  # per client: the load's bound
     max_tokens: int = 32
+    request_timeout_s: float = REQUEST_TIMEOUT_S  # a client's wait for its answer
 
 
 @dataclass
@@ -235,7 +236,7 @@ async def run_scenario(cluster: LocalCluster, url: str, scenario: Scenario) -> T
         while not timeline.samples:  # a first sample before the load
             await asyncio.sleep(0.05)
         timeline.load_start = time.monotonic() - t0
-        async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=len(kinds))) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=load.request_timeout_s, limits=httpx.Limits(max_connections=len(kinds))) as http:
             clients = [asyncio.create_task(client(http, k, i, load, timeline, t0, stop, changed)) for i, k in enumerate(kinds)]
             while not all(c.done() for c in clients):
                 await changed.wait()

@@ -269,6 +269,8 @@ def test_the_playground_sends_the_key_it_is_given() -> None:
             sync_api.expect(page.locator("#translate-status")).to_contain_text("missing API key", timeout=60_000)
             assert backend.requests == []
             page.fill("#api-key", KEYS[1])
+            page.press("#api-key", "Tab")  # leaving the field loads the models with the key
+            sync_api.expect(page.locator("#translate-model option")).not_to_have_count(0, timeout=60_000)
             page.click("#translate-button")
             sync_api.expect(page.locator("#translation")).to_contain_text("Ein Hund.", timeout=60_000)
             page.click("#generate-button")

@@ -45,6 +45,13 @@ GPU_CONFIG = ROOT / "deploy" / "serve_config.gpu.yaml"
 RUNS: dict[str, Timeline] = {}  # what one test measured, for a later one to read
 METRICS_SETTLE_S = 180.0  # a bound on a broken exporter: Ray reports every 10 s
 BROKEN_CLUSTER_REQUESTS = 1000  # a load's bound per client where it runs until a rollout is over
+HELD_S = 280.0  # the held generator's deadlines: below the config's Serve request_timeout_s (300)
+
+
+def shipped_model(name: str) -> dict[str, Any]:
+    """The model's entry in the shipped CPU config."""
+    (model,) = [m for m in cluster_config(0)["applications"][0]["args"]["models"] if m["name"] == name]
+    return model
 
 
 @dataclass
@@ -69,8 +76,11 @@ def deployed() -> Iterator[Deployed]:
             try:
                 port = free_port()
                 # The generator can be held by the rollout test (fault injection, tests only); its
-                # engine is then stalled on purpose, so its heartbeat is allowed as long.
-                held = {GENERATOR: {"fault_injection": True, "heartbeat_timeout_s": 600}}
+                # engine is then stalled on purpose, so its heartbeat is allowed as long, and the
+                # requests queued meanwhile wait as long as Serve lets them (they are answered at
+                # the release, once the new replica runs, however long it took to start here).
+                engine = {**shipped_model(GENERATOR)["engine"], "queue_timeout_s": HELD_S, "request_timeout_s": HELD_S}
+                held = {GENERATOR: {"fault_injection": True, "heartbeat_timeout_s": 600, "engine": engine}}
                 cluster.deploy(write_config(cluster_config(port, models=held), directory / "v1.json"))
                 cluster.wait_for(ReplicaCheck(running={TRANSLATOR: 1, GENERATOR: 1}))
                 yield Deployed(cluster, f"http://127.0.0.1:{port}", port, monitor and monitor.url, directory)
@@ -267,7 +277,9 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
         GENERATOR: {"engine": {"n_slots": 24, "max_waiting": 48, "default_max_tokens": 16}, "stream_interval_ms": 20},
     }
     v2 = write_config(cluster_config(deployed.port, models=models), deployed.directory / "v2.json")
-    load = Load(streams=6, completions=1, translations=2, max_requests=BROKEN_CLUSTER_REQUESTS, max_tokens=200)
+    load = Load(
+        streams=6, completions=1, translations=2, max_requests=BROKEN_CLUSTER_REQUESTS, max_tokens=200, request_timeout_s=HELD_S + 30
+    )
     timeline, old = rollout(deployed, lambda: cluster.deploy(v2), load, after_rollout=8)
     print("rollout:", summary(timeline), "deploy from", timeline.action_start, "to", timeline.action_end, "settled", timeline.settled)
     watcher.join(timeout=60)
