@@ -24,7 +24,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-PYTEST := $(BIN)/python -m pytest -q --durations=15
+# Two workers, each test group on one (tests/conftest.py says which and in what order).
+PYTEST := $(BIN)/python -m pytest -q --durations=15 -n 2
 
 test: lint typecheck
 	$(PYTEST) -m "not slow"

@@ -1,4 +1,5 @@
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -61,11 +62,57 @@ def device(request: pytest.FixtureRequest) -> str:
     return str(request.config.getoption("--device"))
 
 
+# Two pytest workers (pytest-xdist, `-n 2`: the Makefile) share the 2 cores: each test runs
+# in-process on one torch thread, and many wait on Ray, replicas or a soak's clock. A group runs on
+# one worker, so what a group's tests share is set up once: the session's Serve app
+# (tests/service/conftest.py), the two-node clusters (one at a time), each other module's fixtures.
+# Groups start longest first (durations measured on a 2-core machine), the rest in file order.
+SESSION_APP = "tests/service/"  # its modules that start their own service are module groups
+OWN_SERVICE = ("tests/service/test_own_models.py", "tests/service/test_structured_outputs.py")
+LONGEST_FIRST = (
+    "session-app",  # about 900 s: the 5-minute soak, metrics, faults, lm-eval, Locust, fuzzing
+    "cluster",  # about 600 s: both two-node clusters
+    "tests/test_benchmarks_run.py",  # about 340 s
+    "tests/model/test_quantize.py",
+    "tests/engine/test_compiled_decode.py",
+    "tests/service/test_own_models.py",
+)
+
+
+def group_of(nodeid: str) -> str:
+    """The group a test runs in: tests of one group run on one worker, one after another."""
+    module = nodeid.split("::")[0]
+    if module.startswith("tests/cluster/"):
+        return "cluster"
+    if module.startswith(SESSION_APP) and module not in OWN_SERVICE:
+        return "session-app"
+    return module
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks the tests of FULL_TIER `slow`."""
+    """Marks the tests of FULL_TIER `slow`; orders the groups, longest first. Refuses two tests of
+    one name: the workers would run only one of them."""
+    named_twice = [nodeid for nodeid, count in Counter(item.nodeid for item in items).items() if count > 1]
+    if named_twice:
+        raise pytest.UsageError(f"tests named alike (give each its own id): {sorted(named_twice)}")
     for item in items:
         if item.nodeid.startswith(tuple(FULL_TIER)):
             item.add_marker(pytest.mark.slow)
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: file order within
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # optional: a run without xdist has no such hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's scheduler by scope, with group_of as the scope, in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    config.option.loadscopereorder = False  # the order is pytest_collection_modifyitems's
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
