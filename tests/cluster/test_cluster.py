@@ -45,12 +45,13 @@ GPU_CONFIG = ROOT / "deploy" / "serve_config.gpu.yaml"
 RUNS: dict[str, Timeline] = {}  # what one test measured, for a later one to read
 METRICS_SETTLE_S = 180.0  # a bound on a broken exporter: Ray reports every 10 s
 BROKEN_CLUSTER_REQUESTS = 1000  # a load's bound per client where it runs until a rollout is over
-HELD_S = 280.0  # the held generator's deadlines: below the config's Serve request_timeout_s (300)
+SHIPPED = cluster_config(0)  # deploy/serve_config.yaml as the tests serve it
+HELD_S = SHIPPED["http_options"]["request_timeout_s"] - 20.0  # the held generator's deadlines: below Serve's own
 
 
 def shipped_model(name: str) -> dict[str, Any]:
     """The model's entry in the shipped CPU config."""
-    (model,) = [m for m in cluster_config(0)["applications"][0]["args"]["models"] if m["name"] == name]
+    (model,) = [m for m in SHIPPED["applications"][0]["args"]["models"] if m["name"] == name]
     return model
 
 

@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "serving.json"
+SHIPPED_SCRAPE = {
+    key: yaml.safe_load((ALERTS.parent / "prometheus.yml").read_text())["global"][key] for key in ("scrape_interval", "scrape_timeout")
+}
 TRANSLATOR = TEST_CONFIG.translator.name
 GENERATOR = TEST_CONFIG.generator.name
 TTFT_COUNT = "ray_serving_time_to_first_token_seconds_count"
@@ -87,12 +90,12 @@ def alert_rules() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def prometheus_url(metrics_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Prometheus on 127.0.0.1 scraping Ray's endpoint every 5 s, with the alert rules; stopped after the module."""
+    """A Prometheus on 127.0.0.1 scraping Ray's endpoint as the shipped config does, with the alert rules; stopped after the module."""
     directory = tmp_path_factory.mktemp("prometheus")
     config = {
-        # Every 5 s, as deploy/prometheus/prometheus.yml: Ray's endpoint can take more than a second to
-        # answer on a busy machine, and a scrape that times out leaves every gauge without a value.
-        "global": {"scrape_interval": "5s", "scrape_timeout": "5s", "evaluation_interval": "1s"},
+        # The shipped scrape interval and timeout: Ray's endpoint can take more than a second to answer
+        # on a busy machine, and a scrape that times out leaves every gauge without a value.
+        "global": {**SHIPPED_SCRAPE, "evaluation_interval": "1s"},
         "rule_files": [str(ALERTS)],
         "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [urlsplit(metrics_url).netloc]}]}],
     }
