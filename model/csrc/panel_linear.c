@@ -7,8 +7,15 @@
  * (74 KB for in = 576) again from the L2 cache. Written with gcc's vector extensions, built with
  * -march=native. Vectors wider than the CPU's, or accumulators past its registers, are split and
  * spilled to the stack: 16-float vectors on an AVX2 CPU (AMD EPYC Zen 3) ran at 2 GFLOP/s, 8-float
- * ones at 25-64 (docs/performance.md). Built and loaded by model/cpu_kernels.py; used by
- * model/packed_linear.py. */
+ * ones at 25-64 (docs/performance.md).
+ *
+ * With AVX2, past SPLIT_ROWS rows the multiply is compute-bound, and a group of 3 rows spends 7
+ * loads (4 weight vectors, 3 broadcasts) on 12 multiply-adds, re-reading the whole panel from L2
+ * for every 3 rows. There each half panel (16 columns, one 64-byte line per k) goes to groups of up
+ * to HALF_ROW_GROUP = 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 of the 16
+ * registers), the groups balanced (13 rows: 5, 4, 4): 84-91 GFLOP/s at 10 to 128 rows on the
+ * translator's and generator's shapes where the 3-row groups made 67-70 (docs/performance.md).
+ * Built and loaded by model/cpu_kernels.py; used by model/packed_linear.py. */
 #include <stdint.h>
 #include <string.h>
 
@@ -19,6 +26,8 @@
 #elif defined(__AVX__) /* 16 registers of 8 floats */
 #define LANES 8
 #define ROW_GROUP 3
+#define HALF_ROW_GROUP 6
+#define SPLIT_ROWS 8
 #elif defined(__aarch64__) /* NEON: 32 registers of 4 floats */
 #define LANES 4
 #define ROW_GROUP 3
@@ -27,6 +36,12 @@
 #define ROW_GROUP 1
 #endif
 _Static_assert(ROW_GROUP == 1 || ROW_GROUP == 3 || ROW_GROUP == 8, "panel_linear's switch has cases for groups of 1, 3 and 8 rows");
+#ifdef HALF_ROW_GROUP
+#define HALF (PANEL / 2)
+#define FETCH_AHEAD 4 /* k rows of a panel, 512 bytes */
+/* Balanced groups of at most 6 rows, when there are more than SPLIT_ROWS rows, have 4 to 6. */
+_Static_assert(HALF_ROW_GROUP == 6 && SPLIT_ROWS >= 8, "half_panels' switch has cases for groups of 4 to 6 rows");
+#endif
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
@@ -55,9 +70,89 @@ static inline __attribute__((always_inline)) void panel_rows(int R, const float 
     }
 }
 
+#ifdef HALF_ROW_GROUP
+/* panel_rows for a half panel (HALF columns at w, consecutive k PANEL floats apart), R <= 6 rows. The
+ * empty asm keeps the two weight vectors in registers: without it gcc reads them again, as a memory
+ * operand, in every row's multiply-add (12 loads where 2 do), and the loop waits on loads. With
+ * `fetch` (a panel's first pass, which reads it from memory) it also asks for both halves' lines
+ * FETCH_AHEAD k ahead: a pass over half panels reads every other 64-byte line, which the hardware's
+ * prefetchers follow poorly (on the AMD EPYC, from memory, 16 rows ran at 0.8x the 3-row groups
+ * without it, 1.1-1.3x with it). */
+static inline __attribute__((always_inline)) void half_rows(int R, int fetch, const float *x, const float *w, const float *bias, float *y,
+                                                            int64_t in, int64_t out, int64_t column, int64_t width) {
+    vec acc[HALF_ROW_GROUP][HALF / LANES];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < HALF / LANES; j++) acc[r][j] = (vec){0};
+    for (int64_t k = 0; k < in; k++, w += PANEL) {
+        if (fetch) {
+            __builtin_prefetch(w + FETCH_AHEAD * PANEL);
+            __builtin_prefetch(w + FETCH_AHEAD * PANEL + HALF);
+        }
+        vec weights[HALF / LANES];
+        for (int j = 0; j < HALF / LANES; j++) {
+            weights[j] = *(const unaligned_vec *)(w + j * LANES);
+            __asm__("" : "+x"(weights[j]));
+        }
+        for (int r = 0; r < R; r++) {
+            const float xk = x[r * in + k];
+            for (int j = 0; j < HALF / LANES; j++) acc[r][j] += xk * weights[j];
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        if (width == HALF) { /* stored as vectors: all but a last part panel */
+            for (int j = 0; j < HALF / LANES; j++) {
+                vec sums = acc[r][j];
+                if (bias != NULL) sums += *(const unaligned_vec *)(bias + column + j * LANES);
+                *(unaligned_vec *)(y + r * out + column + j * LANES) = sums;
+            }
+            continue;
+        }
+        float sums[HALF];
+        memcpy(sums, acc[r], sizeof(sums));
+        if (bias != NULL)
+            for (int64_t c = 0; c < width; c++) sums[c] += bias[column + c];
+        memcpy(y + r * out + column, sums, sizeof(float) * (size_t)width);
+    }
+}
+
+/* panel_linear for more than SPLIT_ROWS rows: each half panel in balanced groups of 4 to 6 rows. */
+static void half_panels(const float *x, const float *panels, const float *bias, float *y, int64_t rows, int64_t in, int64_t out) {
+    const int64_t groups = (rows + HALF_ROW_GROUP - 1) / HALF_ROW_GROUP;
+    for (int64_t column = 0; column < out; column += HALF) {
+        const float *w = panels + (column / PANEL) * PANEL * in + column % PANEL;
+        const int64_t width = out - column < HALF ? out - column : HALF;
+        for (int64_t g = 0, r = 0; g < groups; g++) {
+            const int64_t n = (rows - r + groups - g - 1) / (groups - g); /* the rows left shared over the groups left */
+            const float *xr = x + r * in;
+            float *yr = y + r * out;
+            /* fetch a constant in each call, as R: the loop is built with the prefetches and without. */
+            if (g == 0 && column % PANEL == 0) /* the panel's first pass */
+                switch (n) {
+                case 6: half_rows(6, 1, xr, w, bias, yr, in, out, column, width); break;
+                case 5: half_rows(5, 1, xr, w, bias, yr, in, out, column, width); break;
+                default: half_rows(4, 1, xr, w, bias, yr, in, out, column, width); break;
+                }
+            else
+                switch (n) {
+                case 6: half_rows(6, 0, xr, w, bias, yr, in, out, column, width); break;
+                case 5: half_rows(5, 0, xr, w, bias, yr, in, out, column, width); break;
+                default: half_rows(4, 0, xr, w, bias, yr, in, out, column, width); break;
+                }
+            r += n;
+        }
+    }
+}
+#endif
+
 /* y (rows, out) = x (rows, in) W^T + bias (out, or NULL), W given as panels (ceil(out / PANEL), in,
  * PANEL), all contiguous. */
 void panel_linear(const float *x, const float *panels, const float *bias, float *y, int64_t rows, int64_t in, int64_t out) {
+#ifdef HALF_ROW_GROUP
+    if (rows > SPLIT_ROWS) {
+        half_panels(x, panels, bias, y, rows, in, out);
+        return;
+    }
+#endif
     for (int64_t column = 0; column < out; column += PANEL) {
         const float *panel = panels + column * in;
         const int64_t width = out - column < PANEL ? out - column : PANEL;

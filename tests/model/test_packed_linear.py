@@ -214,15 +214,16 @@ def _vector_targets() -> list[str]:
 @pytest.mark.parametrize("target", _vector_targets())
 def test_the_panel_kernel_built_for_each_vector_width_equals_the_plain_product(target: str, tmp_path: Path) -> None:
     """Each width has its own accumulators per row group (model/csrc/panel_linear.c): every group
-    remainder, part panels and no bias, built for each width this CPU runs, not only its widest."""
+    remainder, the half panels' balanced groups, part panels and part half panels and no bias,
+    built for each width this CPU runs, not only its widest."""
     compiler = shutil.which("cc")
     if compiler is None:
         pytest.skip("no C compiler")
     kernel = ctypes.CDLL(str(cpu_kernels.build(compiler, tmp_path, march=target))).panel_linear
     kernel.restype, kernel.argtypes = None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     torch.manual_seed(0)
-    for rows in range(1, 18):
-        for out_features, bias in ((96, True), (70, False)):
+    for rows in [*range(1, 20), 24, 25, 31, 64, 127]:  # the 6-row groups of half panels past 8 rows (AVX2)
+        for out_features, bias in ((96, True), (70, False), (88, True)):
             weight, x = torch.randn(out_features, 48), torch.randn(rows, 48)
             b = torch.randn(out_features) if bias else None
             panels, y = to_panels(weight), torch.empty(rows, out_features)
