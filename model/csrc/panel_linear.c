@@ -9,12 +9,13 @@
  * spilled to the stack: 16-float vectors on an AVX2 CPU (AMD EPYC Zen 3) ran at 2 GFLOP/s, 8-float
  * ones at 25-64 (docs/performance.md).
  *
- * With AVX2, past SPLIT_ROWS rows the multiply is compute-bound, and a group of 3 rows spends 7
- * loads (4 weight vectors, 3 broadcasts) on 12 multiply-adds, re-reading the whole panel from L2
- * for every 3 rows. There each half panel (16 columns, one 64-byte line per k) goes to groups of up
- * to HALF_ROW_GROUP = 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 of the 16
- * registers), the groups balanced (13 rows: 5, 4, 4): 84-91 GFLOP/s at 10 to 128 rows on the
- * translator's and generator's shapes where the 3-row groups made 67-70 (docs/performance.md).
+ * With AVX2, past SPLIT_ROWS rows the multiply is compute-bound, and a group of 3 rows needs 12
+ * accumulators, 4 weight vectors and a broadcast, 17 of the 16 registers: gcc reads the weights
+ * as memory operands of each multiply-add (15 loads for 12 multiply-adds), and the loop waits on
+ * loads. There each half panel (16 columns, one 64-byte line per k) goes to groups of up to
+ * HALF_ROW_GROUP = 6 rows (12 accumulators, 2 weight vectors and a broadcast: 15 registers), the
+ * groups balanced (13 rows: 5, 4, 4): 84-91 GFLOP/s at 12 to 128 rows on the translator's and
+ * generator's shapes where the 3-row groups made 65-69 (docs/performance.md).
  * Built and loaded by model/cpu_kernels.py; used by model/packed_linear.py. */
 #include <stdint.h>
 #include <string.h>
