@@ -5,7 +5,7 @@ weight once for little arithmetic, so its speed is the memory's. torch's CPU GEM
 of it there on this project's AMD EPYC machine (MKL 7-18 GB/s at 1 row, oneDNN 8-15 GB/s at 2 to 16,
 where a plain sum over the same bytes makes 21-22 GB/s). This project's C kernel
 (model/csrc/panel_linear.c) reads the weight in panels of 32 output columns, (in, 32) contiguous,
-at 19-23 GB/s for 1 to 8 rows, and takes up to MAX_PANEL_ROWS rows. More rows are many-row GEMMs:
+at 19-23 GB/s for 1 to 8 rows, and takes up to max_panel_rows() rows. More rows are many-row GEMMs:
 oneDNN multiplies them faster given the weight once in its own blocked layout (1.1-1.5x MKL at
 17-256 rows, 1 thread: `python -m benchmarks.linear`), a prompt chunk of more than
 MAX_PACKED_ROWS in pieces of that many; with gradients torch multiplies the panels, one batched
@@ -32,10 +32,6 @@ from model.layers import replace_linear_layers
 from model.translator import Translator
 
 PANEL = 32  # output columns per panel (model/csrc/panel_linear.c)
-# Up to this many rows the panel kernel runs (where it is built, torch on one thread): beyond 32
-# rows oneDNN pads to a multiple of 16, and up to 128 the panels were as fast or faster, layer by
-# layer, and 1.05-1.15x on greedy translation (docs/performance.md).
-MAX_PANEL_ROWS = 128
 # oneDNN picks its blocked layout for this many rows: the engine's typical decode batch.
 PACKED_FOR_ROWS = 64
 # oneDNN keeps a compiled kernel, with memory of its own, for every number of rows it has seen
@@ -62,6 +58,25 @@ def panel_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return cpu_kernels.load_function("panel_linear", None, [pointer, pointer, pointer, pointer, size, size, size])
 
 
+@functools.cache
+def _kernel_max_rows() -> int:
+    """The kernel's own limit (panel_linear_max_rows in panel_linear.c), 0 where it is not built:
+    past 32 rows oneDNN pads the rows to a multiple of 16, and the panels were as fast or faster up
+    to 128 rows (256 with AVX2's half panels), layer by layer (docs/performance.md)."""
+    limit = cpu_kernels.load_function("panel_linear_max_rows", ctypes.c_int64, [])
+    return 0 if limit is None else int(limit())
+
+
+def _max_panel_rows() -> int:
+    """Up to this many rows the panel kernel runs (where panels_apply())."""
+    return _kernel_max_rows()
+
+
+# A constant to torch.compile's tracing, as panels_apply (dynamo traces into a functools.cache
+# function instead of taking its result).
+max_panel_rows: Callable[[], int] = torch.compiler.assume_constant_result(_max_panel_rows)
+
+
 def to_panels(weight: Tensor) -> Tensor:
     """W (out, in) as panels (ceil(out / PANEL), in, PANEL): panel p, row k holds W[p PANEL + c, k]
     for c < PANEL, zeros past out."""
@@ -72,7 +87,7 @@ def to_panels(weight: Tensor) -> Tensor:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W (out, in) kept twice: in panels (the C kernel up to MAX_PANEL_ROWS rows; a
+    """y = x W^T + b with W (out, in) kept twice: in panels (the C kernel up to max_panel_rows() rows; a
     batched GEMM with gradients) and packed for oneDNN (more rows, inference). Both are copies: the
     source weight is not kept."""
 
@@ -98,7 +113,7 @@ class PackedLinear(nn.Module):
         rows = x.reshape(n, self.in_features)  # (N, in)
         if torch.is_grad_enabled():
             y = panel_matmul(rows, self.panels, self.bias, self.out_features)
-        elif n <= MAX_PANEL_ROWS and panels_apply():
+        elif n <= max_panel_rows() and panels_apply():
             # Under torch.compile the kernel is one opaque operation, as the packed product below.
             panel = torch.ops.transformer_serving.panel_linear if torch.compiler.is_compiling() else panel_product
             y = panel(rows, self.panels, self.bias, self.out_features)

@@ -178,3 +178,14 @@ void panel_linear(const float *x, const float *panels, const float *bias, float 
         }
     }
 }
+
+/* The most rows panel_linear is meant for: past them oneDNN's packed product was faster (128 rows
+ * with the 3-row groups; the half panels were 1.17x oneDNN at 256 rows on the AMD EPYC,
+ * docs/performance.md). model/packed_linear.py reads it. */
+int64_t panel_linear_max_rows(void) {
+#ifdef HALF_ROW_GROUP
+    return 256;
+#else
+    return 128;
+#endif
+}

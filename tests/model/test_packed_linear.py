@@ -23,8 +23,8 @@ from model import cpu_kernels
 from model.generator import Generator
 from model.packed_linear import (
     MAX_PACKED_ROWS,
-    MAX_PANEL_ROWS,
     PackedLinear,
+    max_panel_rows,
     pack_linear_layers,
     packing_available,
     padded_rows,
@@ -69,6 +69,9 @@ SHAPES = [
     (64, 256),
     (128, 256),
     (129, 256),
+    (200, 256),
+    (256, 256),
+    (257, 256),
     (300, 256),
     (600, 256),
 ]
@@ -90,7 +93,7 @@ def test_packed_linear_equals_the_plain_layer(shape: tuple[int, ...], out_featur
     assert torch.equal(packed.weight, plain.weight)
 
 
-@pytest.mark.parametrize("rows", [1, 3, MAX_PANEL_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, max_panel_rows()])
 def test_on_two_threads_onednn_takes_the_few_rows_and_equals_the_plain_layer(rows: int, two_threads: None) -> None:
     torch.manual_seed(0)
     plain = nn.Linear(256, 1000)
@@ -100,7 +103,7 @@ def test_on_two_threads_onednn_takes_the_few_rows_and_equals_the_plain_layer(row
         assert torch.allclose(packed(x), plain(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [3, MAX_PANEL_ROWS + 1])  # the panel kernel's operation, oneDNN's on its packed weight
+@pytest.mark.parametrize("rows", [3, max_panel_rows() + 1])  # the panel kernel's operation, oneDNN's on its packed weight
 def test_a_compiled_graph_calls_both_products_as_operations_and_equals_the_eager_layer(rows: int) -> None:
     torch.manual_seed(0)
     packed = PackedLinear(torch.randn(100, 256), torch.randn(100))
@@ -222,7 +225,7 @@ def test_the_panel_kernel_built_for_each_vector_width_equals_the_plain_product(t
     kernel = ctypes.CDLL(str(cpu_kernels.build(compiler, tmp_path, march=target))).panel_linear
     kernel.restype, kernel.argtypes = None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     torch.manual_seed(0)
-    for rows in [*range(1, 20), 24, 25, 31, 64, 127]:  # the 6-row groups of half panels past 8 rows (AVX2)
+    for rows in [*range(1, 20), 24, 25, 31, 64, 127, 256]:  # the 6-row groups of half panels past 8 rows (AVX2)
         for out_features, bias in ((96, True), (70, False), (88, True)):
             weight, x = torch.randn(out_features, 48), torch.randn(rows, 48)
             b = torch.randn(out_features) if bias else None
