@@ -309,13 +309,9 @@ def ragged_step(
     if one:
         lengths = torch.tensor([starts[i] + 1 for i in one])  # (Bd,) keys per row
         nb = -(-(max(starts[i] for i in one) + 1) // block_size)
-        key_positions = torch.arange(nb * block_size)[None]  # (1, L)
-        valid = key_positions < lengths[:, None]  # (Bd, L)
-        mask = valid[:, None, None, :]
-        if alibi_slopes is not None:
-            mask = _alibi_mask(alibi_slopes, (lengths - 1)[:, None], key_positions, valid)  # (Bd, H, 1, L)
-        rows = torch.tensor([firsts[i] for i in one], device=device)
-        decodes = DecodeGroup(rows, tables[one, :nb].to(device), lengths.to(device), mask.to(device))
+        slopes = None if alibi_slopes is None else alibi_slopes.cpu()
+        group = decode_group(torch.tensor([firsts[i] for i in one]), tables[one, :nb], lengths, block_size, slopes)
+        decodes = DecodeGroup(group.rows.to(device), group.key_blocks.to(device), lengths.to(device), group.mask.to(device))
     chunks = []
     for i, (n, s) in enumerate(zip(query_lens, starts, strict=True)):
         if n == 1:
@@ -331,6 +327,23 @@ def ragged_step(
             chunk_mask = causal[:, None].to(device)  # (1, 1, T, L)
         chunks.append(PromptChunk(firsts[i], n, s, tables[i, :nb].to(device) if s else None, chunk_mask))
     return RaggedStep(slot_mapping, decodes, chunks)
+
+
+def decode_group(rows: Tensor, key_blocks: Tensor, lengths: Tensor, block_size: int, alibi_slopes: Tensor | None = None) -> DecodeGroup:
+    """The DecodeGroup of one-token queries at rows (Bd,), each over the first lengths[b] (Bd,) keys
+    of its key_blocks (Bd, nb): its mask made from the lengths (and alibi_slopes (H,), on their device)."""
+    key_positions = torch.arange(key_blocks.shape[1] * block_size, device=lengths.device)[None]  # (1, L)
+    valid = key_positions < lengths[:, None]  # (Bd, L)
+    mask = valid[:, None, None, :]  # (Bd, 1, 1, L)
+    if alibi_slopes is not None:
+        mask = _alibi_mask(alibi_slopes, (lengths - 1)[:, None], key_positions, valid)  # (Bd, H, 1, L)
+    return DecodeGroup(rows, key_blocks, lengths, mask)
+
+
+def decode_slots(key_blocks: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    """(B,) flat cache slot of each row's new key, at positions (B,) of its key_blocks (B, nb)."""
+    blocks = key_blocks.gather(1, (positions // block_size)[:, None])[:, 0]  # (B,)
+    return blocks * block_size + positions % block_size
 
 
 def _alibi_mask(slopes: Tensor, query_positions: Tensor, key_positions: Tensor, allowed: Tensor) -> Tensor:

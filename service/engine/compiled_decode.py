@@ -25,13 +25,15 @@ A step of another batch size runs eagerly, and so does one that would need a new
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from model.generator import Generator
-from model.kv_cache import CrossAttentionCache, DecodeGroup, PagedKVCache, RaggedStep, ragged_step
+from model.kv_cache import CrossAttentionCache, PagedKVCache, RaggedStep, decode_group, decode_slots
 from model.translator import Translator
 from service.engine.fixed_shape import bucket, buckets
 
@@ -59,34 +61,43 @@ class CompiledDecode:
         self.model, self.cache, self.sources = model, cache, sources
         self.device = cache.keys[0].device
         # Without inductor's size asserts (a check of every tensor an extern kernel returns, about
-        # 125 a step): 1.035x at batches 1 and 16, the same logits (docs/performance.md).
-        self._compiled = torch.compile(self._step, dynamic=True, options={"size_asserts": False})
+        # 125 a step): 1.035x at batches 1 and 16, the same logits (docs/performance.md). Without
+        # dynamo's guards on the model's modules (about 1,500 checks of a frozen model's attributes
+        # at every call, 0.3 ms at batch 1): safe because this instance's graphs are its own (own_code).
+        options: dict[str, str | int | bool | Callable[..., Any]] = {
+            "size_asserts": False,
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+        }
+        self._compiled = torch.compile(own_code(self._step), dynamic=True, options=options)
         self.timings: dict[int, tuple[float, float]] = {}  # batch size timed -> (eager, compiled) seconds per step
         self.batch_sizes: frozenset[int] = frozenset()  # those that run compiled
         self._warm_up(sorted(set(batch_sizes)))
 
-    def _step(self, ids: Tensor, positions: Tensor, slot_mapping: Tensor, key_blocks: Tensor, mask: Tensor, *sources: Tensor) -> Tensor:
-        """Logits (B, V) of one token per sequence: ids, positions, slot_mapping (B,) and the
-        attention's key_blocks (B, nb) and mask (B, 1 | H, 1, nb x block_size) of a decode step;
-        a translator's sources: each row's source slot (B, 1) and length (B,)."""
+    def _step(self, ids: Tensor, positions: Tensor, key_blocks: Tensor, *sources: Tensor) -> Tensor:
+        """Logits (B, V) of one token per sequence: ids and positions (B,) and each row's key blocks
+        (B, nb) (decode_blocks); where the new keys go and the attention's mask are made in the
+        graph. A translator's sources: each row's source slot (B, 1) and length (B,)."""
         rows = torch.arange(ids.shape[0], device=ids.device)  # (B,)
-        step = RaggedStep(slot_mapping, DecodeGroup(rows, key_blocks, positions + 1, mask), [])
+        block_size = self.cache.block_size
+        group = decode_group(rows, key_blocks, positions + 1, block_size, self.model.positions.alibi_slopes)
+        step = RaggedStep(decode_slots(key_blocks, positions, block_size), group, [])
         if isinstance(self.model, Translator):
             assert self.sources is not None
             layers = self.sources.bound(*sources)
             return self.model.decode(ids[:, None], layers, None, positions[:, None], self.cache.layers(step))[:, -1]
         return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
 
-    def __call__(self, ids: Tensor, positions: Tensor, step: RaggedStep, sources: tuple[Tensor, Tensor] | None = None) -> Tensor | None:
-        """The logits (B, V) of a decode-only step (ids and positions (B,), the step of one token
-        per sequence from ragged_step; a translator's rows' sources, CrossAttentionCache.sources),
-        compiled; None when its batch size runs eagerly."""
+    def __call__(
+        self, ids: Tensor, positions: list[int], tables: list[list[int]], sources: tuple[Tensor, Tensor] | None = None
+    ) -> Tensor | None:
+        """The logits (B, V) of a decode-only step, compiled: ids (B,), each row's position and its
+        block table (holding that position); a translator's rows' sources (CrossAttentionCache.sources).
+        None when its batch size runs eagerly."""
         if ids.shape[0] not in self.batch_sizes:
             return None
-        assert step.decodes is not None, "a decode-only step"
-        key_blocks, mask = padded_blocks(step.decodes, self.cache.block_size)
+        key_blocks = decode_blocks(positions, tables, self.cache.block_size, self.device)
         with torch.compiler.set_stance(self.stance):
-            return self._compiled(ids, positions, step.slot_mapping, key_blocks, mask, *(sources or ()))
+            return self._compiled(ids, torch.tensor(positions, device=self.device), key_blocks, *(sources or ()))
 
     @torch.inference_mode()
     def _warm_up(self, batch_sizes: list[int]) -> None:
@@ -133,17 +144,25 @@ class CompiledDecode:
         block (block 0, which no sequence owns): it writes nothing any sequence reads. A
         translator's rows read the first WARM_UP_SOURCE_TOKENS source keys of slot 0 (reading only)."""
         blocks = -(-keys // self.cache.block_size)
-        slopes = self.model.positions.alibi_slopes
-        step = ragged_step([1] * batch, [keys - 1] * batch, [[0] * blocks] * batch, self.cache.block_size, self.device, slopes)
-        assert step.decodes is not None
         ids = torch.full((batch,), self.model.config.pad_id, device=self.device)
         positions = torch.full((batch,), keys - 1, device=self.device)
-        inputs = (ids, positions, step.slot_mapping, *padded_blocks(step.decodes, self.cache.block_size))
+        inputs = (ids, positions, decode_blocks([keys - 1] * batch, [[0] * blocks] * batch, self.cache.block_size, self.device))
         if self.sources is None:
             return inputs
         source_slots = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # (B, 1)
         source_lengths = torch.full((batch,), min(WARM_UP_SOURCE_TOKENS, self.sources.length), device=self.device)  # (B,)
         return (*inputs, source_slots, source_lengths)
+
+
+def own_code(method: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """method, bound to the same object, with a copy of its code object: torch.compile keeps its
+    graphs and their guards per code object, so those of the returned method are its own, never run
+    by another instance (with another model) whose modules the guards no longer check."""
+    assert isinstance(method, types.MethodType)
+    function = method.__func__
+    code = function.__code__.replace()  # equal, not the same object
+    copy = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__, function.__closure__)
+    return types.MethodType(copy, method.__self__)
 
 
 def size_buckets(batch_sizes: Sequence[int]) -> dict[int, list[int]]:
@@ -156,13 +175,8 @@ def size_buckets(batch_sizes: Sequence[int]) -> dict[int, list[int]]:
     return {sizes[-1]: sizes for sizes in grouped.values()}
 
 
-def padded_blocks(group: DecodeGroup, block_size: int) -> tuple[Tensor, Tensor]:
-    """The group's key blocks (B, nb) and mask (B, 1 | H, 1, nb x block_size) with at least
-    MIN_KEY_BLOCKS blocks: padded with the null block, masked out."""
-    missing = MIN_KEY_BLOCKS - group.key_blocks.shape[1]
-    if missing <= 0:
-        return group.key_blocks, group.mask
-    blocks = torch.nn.functional.pad(group.key_blocks, (0, missing))  # null block 0
-    blocked = False if group.mask.dtype == torch.bool else float("-inf")
-    mask = torch.nn.functional.pad(group.mask, (0, missing * block_size), value=blocked)
-    return blocks, mask
+def decode_blocks(positions: list[int], tables: list[list[int]], block_size: int, device: torch.device) -> Tensor:
+    """Each row's blocks (B, nb) holding its keys up to its position: nb for the longest, at least
+    MIN_KEY_BLOCKS, shorter tables padded with the null block 0 (its keys are masked out)."""
+    width = max(MIN_KEY_BLOCKS, -(-(max(positions) + 1) // block_size))
+    return torch.tensor([table[:width] + [0] * (width - len(table)) for table in tables], device=device)

@@ -277,12 +277,12 @@ class GeneratorRunner:
         if self.fixed_shape is not None:
             return self.fixed_shape(fed)
         ids_list, positions_list, tables = (list(column) for column in zip(*fed.values(), strict=True))
-        step = ragged_step([1] * len(fed), positions_list, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
         ids = torch.tensor(ids_list, device=self.device)
-        positions = torch.tensor(positions_list, device=self.device)
-        compiled = self.compiled(ids, positions, step) if self.compiled is not None else None
+        compiled = self.compiled(ids, positions_list, tables) if self.compiled is not None else None
         if compiled is not None:
             return compiled
+        step = ragged_step([1] * len(fed), positions_list, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
+        positions = torch.tensor(positions_list, device=self.device)
         rows = torch.arange(len(fed), device=self.device)
         return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
 
@@ -540,11 +540,11 @@ class TranslatorRunner:
             memory_kv, src_mask = self.cross_cache.read(rows[::group], source_length)
         idle: tuple[int, int, list[int]] = (self.pad_id, 0, [])
         ids, positions, tables = (list(column) for column in zip(*(paged.get(row, idle) for row in rows), strict=True))
-        step = ragged_step([1] * len(rows), positions, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
         ids_tensor = torch.tensor(ids, device=self.device)  # (rows,)
-        positions_tensor = torch.tensor(positions, device=self.device)
-        logits = self.compiled(ids_tensor, positions_tensor, step, sources) if self.compiled is not None else None  # (rows, V)
+        logits = self.compiled(ids_tensor, positions, tables, sources) if self.compiled is not None else None  # (rows, V)
         if logits is None:
+            step = ragged_step([1] * len(rows), positions, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
+            positions_tensor = torch.tensor(positions, device=self.device)
             layers = self.cache.layers(step)
             logits = self.model.decode(ids_tensor[:, None], memory_kv, src_mask, positions_tensor[:, None], layers, 0, group)[:, -1]
         row_of = {row: i for i, row in enumerate(rows)}

@@ -13,8 +13,9 @@ from torch._dynamo.utils import counters
 from decoding.sampling_params import GREEDY
 from loading.checkpoint import DEFAULT_TRANSLATOR, load_checkpoint
 from loading.tokenizer import TextTokenizer
+from model.config import GeneratorConfig
 from model.generator import Generator
-from model.kv_cache import ragged_step
+from model.kv_cache import PagedKVCache, ragged_step
 from model.packed_linear import pack_linear_layers, packing_available
 from model.translator import Translator
 from service.engine.compiled_decode import CompiledDecode, size_buckets
@@ -78,7 +79,7 @@ def test_the_compiled_step_computes_the_eager_steps_logits(compiled: CompiledDec
     step = ragged_step([1] * batch, positions_list, tables, block_size, torch.device("cpu"))
     ids = torch.randint(0, compiled.model.config.vocab_size, (batch,))
     positions = torch.tensor(positions_list)
-    fast = compiled(ids, positions, step)
+    fast = compiled(ids, positions_list, tables)
     assert fast is not None
     rows = torch.arange(batch)
     eager = compiled.model.forward_ragged(ids, positions, cache.layers(step), rows)  # writes the same keys again
@@ -87,24 +88,56 @@ def test_the_compiled_step_computes_the_eager_steps_logits(compiled: CompiledDec
 
 
 @torch.inference_mode()
+def test_compiled_steps_of_two_models_in_one_process_each_compute_their_eager_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A RoPE and an ALiBi model compiled one after the other: each runs its own graphs (their
+    guards no longer check the models' modules), and ALiBi's biased mask, which the compiled step
+    makes from each row's length inside its graph, is the one ragged_step makes."""
+    block_size, batch, length = 16, 3, 40
+    blocks = -(-length // block_size)
+    tables = [list(range(1 + b * blocks, 1 + (b + 1) * blocks)) for b in range(batch)]
+    positions_list = [length - 1 - 7 * b for b in range(batch)]  # rows of different lengths
+    steps = []
+    for positions in ("rope", "alibi"):
+        config = GeneratorConfig.from_dict({**GeneratorConfig.preset("tiny").to_dict(), "positions": positions})
+        model = Generator(config).eval()
+        pack_linear_layers(model)
+        cache = PagedKVCache(config.n_layers, 16, block_size, config.kv_heads, config.head_dim, torch.device("cpu"), torch.float32)
+        compiled = CompiledDecode(model, cache, [batch])
+        compiled.batch_sizes = frozenset({batch})  # whatever the timings said
+        monkeypatch.setattr(compiled, "stance", "fail_on_recompile")
+        steps.append(compiled)
+    torch.manual_seed(0)
+    for compiled in steps:
+        model, cache = compiled.model, compiled.cache
+        assert isinstance(model, Generator)
+        for pool in cache.keys + cache.values:
+            pool.normal_()
+        ids = torch.randint(0, model.config.vocab_size, (batch,))
+        fast = compiled(ids, positions_list, tables)
+        assert fast is not None
+        step = ragged_step([1] * batch, positions_list, tables, block_size, torch.device("cpu"), model.positions.alibi_slopes)
+        eager = model.forward_ragged(ids, torch.tensor(positions_list), cache.layers(step), torch.arange(batch))
+        torch.testing.assert_close(fast, eager, atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
 def test_a_step_that_needs_a_new_graph_runs_eagerly(runner: GeneratorRunner) -> None:
-    """Under the stance steps run with (eager_on_recompile) no call compiles: a float mask where the
-    graphs took a boolean one fails their guards and the step runs eagerly, with the same logits."""
+    """Under the stance steps run with (eager_on_recompile) no call compiles: int32 ids where the
+    graphs took int64 ones fail their guards and the step runs eagerly, with the same logits."""
     compiled = runner.compiled
     assert compiled is not None and compiled.stance == "eager_on_recompile"
     graphs = counters["stats"]["unique_graphs"]
-    step = ragged_step([1, 1], [20, 30], [[1, 2], [3, 4]], compiled.cache.block_size, torch.device("cpu"))
-    assert step.decodes is not None
-    step.decodes.mask = torch.zeros(step.decodes.mask.shape).masked_fill(~step.decodes.mask, float("-inf"))
-    ids, positions = torch.tensor([5, 6]), torch.tensor([20, 30])
+    positions, tables = [20, 30], [[1, 2], [3, 4]]
+    ids = torch.tensor([5, 6], dtype=torch.int32)
     compiled.stance = "fail_on_recompile"  # what the other tests run under: this step would fail there
     with pytest.raises(RuntimeError, match="recompile"):
-        compiled(ids, positions, step)
+        compiled(ids, positions, tables)
     del compiled.stance  # back to the class's
-    logits = compiled(ids, positions, step)
+    logits = compiled(ids, positions, tables)
     assert counters["stats"]["unique_graphs"] == graphs, "a request paid for a compilation"
     assert logits is not None
-    eager = compiled.model.forward_ragged(ids, positions, compiled.cache.layers(step), torch.arange(2))
+    step = ragged_step([1, 1], positions, tables, compiled.cache.block_size, torch.device("cpu"))
+    eager = compiled.model.forward_ragged(ids.long(), torch.tensor(positions), compiled.cache.layers(step), torch.arange(2))
     torch.testing.assert_close(logits, eager, atol=1e-5, rtol=0)
 
 
@@ -194,7 +227,7 @@ def test_the_compiled_translator_step_computes_the_eager_steps_logits(
     sources = cross.sources([0, 0, 0, 0, 5][:batch])
     ids = torch.randint(0, compiled.model.config.vocab_size, (batch,))
     positions = torch.tensor(positions_list)
-    fast = compiled(ids, positions, step, sources)
+    fast = compiled(ids, positions_list, tables, sources)
     assert fast is not None
     model = translator_runner.model
     eager = model.decode(ids[:, None], cross.bound(*sources), None, positions[:, None], cache.layers(step))[:, -1]
