@@ -309,9 +309,8 @@ def ragged_step(
     if one:
         lengths = torch.tensor([starts[i] + 1 for i in one])  # (Bd,) keys per row
         nb = -(-(max(starts[i] for i in one) + 1) // block_size)
-        slopes = None if alibi_slopes is None else alibi_slopes.cpu()
-        group = decode_group(torch.tensor([firsts[i] for i in one]), tables[one, :nb], lengths, block_size, slopes)
-        decodes = DecodeGroup(group.rows.to(device), group.key_blocks.to(device), lengths.to(device), group.mask.to(device))
+        rows = torch.tensor([firsts[i] for i in one], device=device)
+        decodes = decode_group(rows, tables[one, :nb].to(device), lengths.to(device), block_size, alibi_slopes)
     chunks = []
     for i, (n, s) in enumerate(zip(query_lens, starts, strict=True)):
         if n == 1:

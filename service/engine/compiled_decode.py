@@ -143,10 +143,9 @@ class CompiledDecode:
         """Inputs of a step of `batch` sequences at position keys - 1 whose every block is the null
         block (block 0, which no sequence owns): it writes nothing any sequence reads. A
         translator's rows read the first WARM_UP_SOURCE_TOKENS source keys of slot 0 (reading only)."""
-        blocks = -(-keys // self.cache.block_size)
         ids = torch.full((batch,), self.model.config.pad_id, device=self.device)
         positions = torch.full((batch,), keys - 1, device=self.device)
-        inputs = (ids, positions, decode_blocks([keys - 1] * batch, [[0] * blocks] * batch, self.cache.block_size, self.device))
+        inputs = (ids, positions, decode_blocks([keys - 1] * batch, [[]] * batch, self.cache.block_size, self.device))  # null blocks
         if self.sources is None:
             return inputs
         source_slots = torch.zeros(batch, 1, dtype=torch.long, device=self.device)  # (B, 1)
