@@ -148,7 +148,8 @@ class AsyncEngine:
             self.last_heartbeat = time.monotonic()
             self._drain_inbox()
             if not self.engine.has_work:
-                self._wakeup.wait(timeout=1.0)
+                if not self._wakeup.wait(timeout=1.0):
+                    self.engine.report_idle()
                 self._wakeup.clear()
                 continue
             try:

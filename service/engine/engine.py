@@ -203,6 +203,12 @@ class Engine:
         self._publish_report(plan, report)
         return StepOutput(deltas, report, failure)
 
+    def report_idle(self) -> None:
+        """Publishes the engine's state (running, waiting, KV use) without a step. The idle loop
+        calls it every second: Ray stops exporting a gauge that is not set again within two of its
+        report intervals, and a dashboard would show an idle replica as no data instead of 0."""
+        self._publish_report(SchedulerOutput(), StepReport())
+
     def _publish_report(self, plan: SchedulerOutput, report: StepReport) -> None:
         report.batch_size = plan.batch_size
         if plan.num_tokens:

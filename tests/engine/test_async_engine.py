@@ -9,7 +9,7 @@ import pytest
 
 from service.engine.async_engine import AsyncEngine, paced
 from service.engine.config import EngineConfig
-from service.engine.engine import Engine
+from service.engine.engine import Engine, StepReport
 from service.engine.errors import QueueFullError
 from service.engine.request import Delta, GenerationParams
 from tests.engine.helpers import FakeRunner
@@ -166,3 +166,26 @@ def test_a_failing_step_reports_an_error_and_the_loop_keeps_serving() -> None:
     assert bad[-1].finish_reason == "error" and bad[-1].error is not None
     assert good[-1].finish_reason == "stop"
     assert not engine._thread.is_alive()  # stop() joined the loop thread
+
+
+def test_an_idle_engine_keeps_reporting_its_state() -> None:
+    """Ray drops a gauge not set within two report intervals: an idle loop reports running,
+    waiting and KV use without a step, and counts nothing."""
+    engine = make()
+    reports: list[StepReport] = []
+    engine.engine.on_step = reports.append
+
+    async def main() -> int:
+        await collect(await engine.submit([10, 2], GenerationParams()))
+        served, steps = len(reports), engine.engine.counters.steps
+        await until(lambda: len(reports) >= served + 2)
+        return steps
+
+    try:
+        steps = asyncio.run(main())
+    finally:
+        engine.stop()
+    idle = reports[-1]
+    assert (idle.batch_size, idle.generated_tokens, idle.running, idle.waiting, idle.kv_cache_usage) == (0, 0, 0, 0, 0.0)
+    assert idle.finished == [] and idle.first_token_latencies == []
+    assert steps > 0 and engine.engine.counters.steps == steps  # the idle reports are not steps
