@@ -5,11 +5,13 @@ weight once for little arithmetic, so its speed is the memory's. torch's CPU GEM
 of it there on this project's AMD EPYC machine (MKL 7-18 GB/s at 1 row, oneDNN 8-15 GB/s at 2 to 16,
 where a plain sum over the same bytes makes 21-22 GB/s). This project's C kernel
 (model/csrc/panel_linear.c) reads the weight in panels of 32 output columns, (in, 32) contiguous,
-at 19-23 GB/s for 1 to 8 rows, and takes up to max_panel_rows() rows. More rows are many-row GEMMs:
-oneDNN multiplies them faster given the weight once in its own blocked layout (1.1-1.5x MKL at
-17-256 rows, 1 thread: `python -m benchmarks.linear`), a prompt chunk of more than
-MAX_PACKED_ROWS in pieces of that many; with gradients torch multiplies the panels, one batched
-GEMM. So a layer keeps its weight twice, in panels and packed for oneDNN, and picks by rows.
+at 19-23 GB/s for 1 to 8 rows, and takes up to max_panel_rows() rows a call. More rows are
+many-row GEMMs: oneDNN multiplies them faster than MKL given the weight once in its own blocked
+layout (1.1-1.5x at 17-256 rows, 1 thread: `python -m benchmarks.linear`), a prompt chunk of more
+than MAX_PACKED_ROWS in pieces of that many. Where the kernel takes as many rows a call (AVX2's
+half panels, 256), it takes every row count, in pieces: each is faster than oneDNN's. With
+gradients torch multiplies the panels, one batched GEMM. So a layer keeps its weight twice, in
+panels and packed for oneDNN, and picks by rows and threads.
 
 The panel kernel is single-threaded: it runs where torch has one thread (a replica's default) and
 the CPU kernels are built (model/cpu_kernels.py); elsewhere oneDNN takes its rows too. Inference
@@ -68,7 +70,10 @@ def _kernel_max_rows() -> int:
 
 
 def _max_panel_rows() -> int:
-    """Up to this many rows the panel kernel runs (where panels_apply())."""
+    """The panel kernel's rows per call (where panels_apply()). More rows go to oneDNN, but where
+    that is as many as oneDNN's pieces (MAX_PACKED_ROWS: AVX2's half panels): there each of the
+    kernel's pieces is faster than oneDNN's (1.14-1.30x at 256 rows, the translator's shapes), and
+    the kernel takes every row count, a long prompt or a batch of sources in pieces."""
     return _kernel_max_rows()
 
 
@@ -113,7 +118,7 @@ class PackedLinear(nn.Module):
         rows = x.reshape(n, self.in_features)  # (N, in)
         if torch.is_grad_enabled():
             y = panel_matmul(rows, self.panels, self.bias, self.out_features)
-        elif n <= max_panel_rows() and panels_apply():
+        elif panels_apply() and (n <= max_panel_rows() or max_panel_rows() >= MAX_PACKED_ROWS):
             # Under torch.compile the kernel is one opaque operation, as the packed product below.
             panel = torch.ops.transformer_serving.panel_linear if torch.compiler.is_compiling() else panel_product
             y = panel(rows, self.panels, self.bias, self.out_features)
@@ -140,14 +145,18 @@ def panel_matmul(rows: Tensor, panels: Tensor, bias: Tensor | None, out_features
 
 
 def panel_product(rows: Tensor, panels: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    """rows (N, in) times the weight in panels (P, in, PANEL), plus bias, by the C kernel: (N, out_features).
-    Requires `panels_apply()`."""
+    """rows (N, in) times the weight in panels (P, in, PANEL), plus bias, by the C kernel: (N, out_features),
+    more than max_panel_rows() rows in pieces of that many, each written in place. Requires `panels_apply()`."""
     kernel = panel_kernel()
     assert kernel is not None, "panel_product without its kernel (check panels_apply())"
     rows = rows.contiguous()
-    y = rows.new_empty(rows.shape[0], out_features)
+    n, in_features = rows.shape
+    y = rows.new_empty(n, out_features)
     bias_pointer = None if bias is None else bias.data_ptr()
-    kernel(rows.data_ptr(), panels.data_ptr(), bias_pointer, y.data_ptr(), rows.shape[0], rows.shape[1], out_features)
+    piece, size = _kernel_max_rows(), rows.element_size()
+    for first in range(0, n, piece):
+        x_pointer, y_pointer = rows.data_ptr() + first * in_features * size, y.data_ptr() + first * out_features * size
+        kernel(x_pointer, panels.data_ptr(), bias_pointer, y_pointer, min(piece, n - first), in_features, out_features)
     return y
 
 
