@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from model.packed_linear import PackedLinear, max_panel_rows, packed_product, panel_product, panels_apply
+from model.packed_linear import PackedLinear, packed_product, panel_product, panel_rows_limit, panels_apply
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 QUICK_ROWS = (1, 16)
@@ -91,7 +91,7 @@ def main() -> None:
             onednn_ms = best_ms(lambda: run_all(by_onednn, packed), passes, repeats)
             packed_ms = onednn_ms  # what PackedLinear runs: the panels where they apply
             panels = "-"
-            if with_panels and rows <= max_panel_rows():
+            if with_panels and rows <= panel_rows_limit():
                 packed_ms = best_ms(lambda: run_all(by_panels, packed), passes, repeats)
                 results[f"panel_vs_onednn_{rows}"] = round(onednn_ms / packed_ms, 2)
                 panels = f"{packed_ms:.3f}"

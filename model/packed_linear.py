@@ -22,6 +22,7 @@ different orders, so outputs differ from nn.Linear's by float32 rounding
 
 import ctypes
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -70,16 +71,22 @@ def _kernel_max_rows() -> int:
 
 
 def _max_panel_rows() -> int:
-    """The panel kernel's rows per call (where panels_apply()). More rows go to oneDNN, but where
-    that is as many as oneDNN's pieces (MAX_PACKED_ROWS: AVX2's half panels): there each of the
-    kernel's pieces is faster than oneDNN's (1.14-1.30x at 256 rows, the translator's shapes), and
-    the kernel takes every row count, a long prompt or a batch of sources in pieces."""
+    """The panel kernel's rows per call (where panels_apply())."""
     return _kernel_max_rows()
 
 
-# A constant to torch.compile's tracing, as panels_apply (dynamo traces into a functools.cache
+def _panel_rows_limit() -> int:
+    """The most rows PackedLinear gives the panel kernel: every row count (in pieces) where a call
+    takes as many as oneDNN's pieces (MAX_PACKED_ROWS, AVX2's half panels: there each piece is
+    1.14-1.30x oneDNN's at 256 rows), else its rows per call; oneDNN takes more."""
+    rows = _kernel_max_rows()
+    return sys.maxsize if rows >= MAX_PACKED_ROWS else rows
+
+
+# Constants to torch.compile's tracing, as panels_apply (dynamo traces into a functools.cache
 # function instead of taking its result).
 max_panel_rows: Callable[[], int] = torch.compiler.assume_constant_result(_max_panel_rows)
+panel_rows_limit: Callable[[], int] = torch.compiler.assume_constant_result(_panel_rows_limit)
 
 
 def to_panels(weight: Tensor) -> Tensor:
@@ -118,7 +125,7 @@ class PackedLinear(nn.Module):
         rows = x.reshape(n, self.in_features)  # (N, in)
         if torch.is_grad_enabled():
             y = panel_matmul(rows, self.panels, self.bias, self.out_features)
-        elif panels_apply() and (n <= max_panel_rows() or max_panel_rows() >= MAX_PACKED_ROWS):
+        elif n <= panel_rows_limit() and panels_apply():
             # Under torch.compile the kernel is one opaque operation, as the packed product below.
             panel = torch.ops.transformer_serving.panel_linear if torch.compiler.is_compiling() else panel_product
             y = panel(rows, self.panels, self.bias, self.out_features)

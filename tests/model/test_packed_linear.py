@@ -105,20 +105,22 @@ def test_on_two_threads_onednn_takes_the_few_rows_and_equals_the_plain_layer(row
 
 # The panel kernel's operation (in pieces past max_panel_rows()), oneDNN's on its packed weight (two threads).
 @pytest.mark.parametrize(("rows", "threads"), [(3, 1), (2 * max_panel_rows() + 1, 1), (3, 2), (max_panel_rows() + 1, 2)])
-def test_a_compiled_graph_calls_both_products_as_operations_and_equals_the_eager_layer(rows: int, threads: int) -> None:
+def test_a_compiled_graph_calls_both_products_as_operations_and_equals_the_eager_layer(
+    rows: int, threads: int, request: pytest.FixtureRequest
+) -> None:
+    if threads == 2:
+        request.getfixturevalue("two_threads")
     torch.manual_seed(0)
     packed = PackedLinear(torch.randn(100, 256), torch.randn(100))
     x = torch.randn(rows, 256)
-    torch.set_num_threads(threads)
-    try:
-        graph = torch.compile(lambda x: packed(x + 1) * 2, backend="aot_eager", fullgraph=True)
-        with torch.inference_mode():
-            assert torch.allclose(graph(x), packed(x + 1) * 2, atol=1e-5, rtol=1e-5)
-    finally:
-        torch.set_num_threads(1)
+    graph = torch.compile(lambda x: packed(x + 1) * 2, backend="aot_eager", fullgraph=True)
+    with torch.inference_mode():
+        assert torch.allclose(graph(x), packed(x + 1) * 2, atol=1e-5, rtol=1e-5)
 
 
-def test_on_one_thread_the_panel_kernel_takes_rows_past_its_limit_in_pieces_where_onednn_would_take_pieces_as_large() -> None:
+def test_on_one_thread_the_panel_kernel_takes_rows_past_its_limit_in_pieces_where_onednn_would_take_pieces_as_large(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Where max_panel_rows() is MAX_PACKED_ROWS (AVX2's half panels) the kernel takes every row
     count, each piece written in place; elsewhere oneDNN takes the rows past it."""
     if not panels_apply():
@@ -127,19 +129,17 @@ def test_on_one_thread_the_panel_kernel_takes_rows_past_its_limit_in_pieces_wher
     plain = nn.Linear(256, 1000)
     packed = PackedLinear(plain.weight, plain.bias)
     x = torch.randn(2 * max_panel_rows() + 7, 256)
-    panels = torch.ops.mkldnn._linear_pointwise
+    onednn = torch.ops.mkldnn._linear_pointwise
     calls: list[int] = []
 
     def counted(rows: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(rows.shape[0])
-        return panels(rows, *args)
+        return onednn(rows, *args)
 
-    torch.ops.mkldnn._linear_pointwise = counted
-    try:
-        with torch.inference_mode():
-            got = packed(x)
-    finally:
-        torch.ops.mkldnn._linear_pointwise = panels
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counted)  # the real product, its calls counted
+    with torch.inference_mode():
+        got = packed(x)
+    monkeypatch.undo()
     assert torch.allclose(got, plain(x), atol=1e-5, rtol=1e-5)
     assert calls == ([] if max_panel_rows() >= MAX_PACKED_ROWS else [padded_rows(len(piece)) for piece in x.split(MAX_PACKED_ROWS)])
 
