@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,26 @@ class LocalCluster:
         response = httpx.get(f"{self.dashboard_url}{path}", headers=self.auth_headers, timeout=30)
         response.raise_for_status()
         return response.json()
+
+    def serve_log_lines(self, start: float, end: float, levels: tuple[str, ...] = ("WARNING", "ERROR")) -> list[str]:
+        """Serve's log entries at these levels (controller, proxies, replicas of both nodes) logged
+        between the wall-clock times start and end, oldest first, each after its file's name and
+        with its traceback: the cluster's side of a failed request."""
+        found: list[tuple[float, list[str]]] = []
+        for log in (self.directory / "ray" / "session_latest" / "logs" / "serve").glob("*.log"):
+            kept = False  # whether the entry being read is kept
+            for line in log.read_text(errors="replace").splitlines():
+                level, _, rest = line.partition(" ")
+                try:
+                    logged = datetime.strptime(rest[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # Ray logs local time
+                except ValueError:  # a line of the entry above (its traceback)
+                    if kept:
+                        found[-1][1].append(line[:400])
+                    continue
+                kept = level in levels and start <= logged <= end
+                if kept:
+                    found.append((logged, [f"{log.stem}: {line[:400]}"]))
+        return ["\n".join(lines) for _, lines in sorted(found, key=lambda entry: entry[0])]
 
     def alive_nodes(self) -> set[str]:
         nodes = self.get("/api/v0/nodes?limit=100")["data"]["result"]["result"]

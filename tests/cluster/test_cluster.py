@@ -60,7 +60,7 @@ class Deployed:
     cluster: LocalCluster
     url: str
     port: int
-    prometheus: str | None  # a Prometheus scraping both nodes every second, where one is installed
+    prometheus: str | None  # a Prometheus scraping both nodes (the shipped intervals), where one is installed
     directory: Path
 
 
@@ -90,6 +90,15 @@ def deployed() -> Iterator[Deployed]:
                     monitor.stop()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def failure_report(cluster: LocalCluster, timeline: Timeline) -> str:
+    """The first failed requests, and Serve's warnings and errors from 10 s before the first failure
+    to 5 s after the last: what a failed run shows of both sides."""
+    failures = timeline.failures()
+    first, last = (timeline.wall_start + t for t in (min(r.start for r in failures), max(r.end for r in failures)))
+    logs = "\n".join(cluster.serve_log_lines(first - 10, last + 5)[-40:])
+    return f"{len(failures)} failed, the first: {failures[:5]}\nServe's warnings and errors around them:\n{logs}"
 
 
 def replicas(cluster: LocalCluster) -> list[Replica]:
@@ -132,7 +141,7 @@ def test_the_generator_scales_out_under_load_and_back_in_after_with_every_reques
     RUNS["autoscaling"] = timeline
     numbers = summary(timeline)
     print("autoscaling:", numbers)
-    assert timeline.failures() == [], timeline.failures()[:5]
+    assert timeline.failures() == [], failure_report(cluster, timeline)
     assert numbers["statuses"] == {"200": numbers["requests"]}
     assert timeline.running(GENERATOR)[0][1] == 1  # before the load
     scale_out = timeline.first(GENERATOR, 2)
@@ -172,7 +181,9 @@ def test_the_replicas_panel_shows_each_generator_replica_come_and_go(deployed: D
     deadline = time.monotonic() + METRICS_SETTLE_S
     while (values := generator_count(end := time.time()))[-1] != 1 and time.monotonic() < deadline:
         time.sleep(2)
-    assert values[0] == 1 and max(values) >= 2 and values[-1] == 1, values
+    scrapes = query_range(deployed.prometheus, "up", start, end)
+    failed_scrapes = {s["metric"]["instance"]: sum(v == "0" for _, v in s["values"]) for s in scrapes}
+    assert values[0] == 1 and max(values) >= 2 and values[-1] == 1, (values, summary(timeline), f"failed scrapes: {failed_scrapes}")
     series = [s for s in query_range(deployed.prometheus, per_replica, start, end) if s["metric"]["deployment"] == GENERATOR]
     assert len({s["metric"]["replica"] for s in series}) >= 2, series  # one series per replica
     # Both generator replicas answered requests (their own counters, per replica).
@@ -285,7 +296,7 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
     print("rollout:", summary(timeline), "deploy from", timeline.action_start, "to", timeline.action_end, "settled", timeline.settled)
     watcher.join(timeout=60)
     reader.join(timeout=600)
-    assert timeline.failures() == [], timeline.failures()[:5]
+    assert timeline.failures() == [], failure_report(cluster, timeline)
     assert all(r.status == 200 for r in timeline.results)
     final = replicas(cluster)
     assert timeline.settled is not None and not old & {r.replica_id for r in final}, final
@@ -314,7 +325,7 @@ def test_the_images_command_serves_the_gpu_config_here(deployed: Deployed) -> No
     load = Load(streams=2, completions=1, translations=1, max_requests=BROKEN_CLUSTER_REQUESTS, max_tokens=32)
     timeline, old = rollout(deployed, lambda: deployed.cluster.cli(*non_blocking, env=env), load, after_rollout=8)
     print("image command:", summary(timeline), "deploy from", timeline.action_start, "to", timeline.action_end, "settled", timeline.settled)
-    assert timeline.failures() == [], timeline.failures()[:5]
+    assert timeline.failures() == [], failure_report(deployed.cluster, timeline)
     app = deployed.cluster.application()
     assert app is not None and app["deployed_app_config"]["args"] == yaml.safe_load(GPU_CONFIG.read_text())["applications"][0]["args"]
     for model in yaml.safe_load(GPU_CONFIG.read_text())["applications"][0]["args"]["models"]:
