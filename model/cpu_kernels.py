@@ -2,7 +2,11 @@
 on first use and loaded with ctypes: the paged decode attention (model/paged_attention_cpu.py) and
 the few-row linear layers (model/packed_linear.py). Where there is no C compiler (the GPU image),
 on other systems than Linux, or with DISABLE_ENV set, `library()` is None and their callers take
-torch's paths."""
+torch's paths.
+
+Two of them are also torch operators with C++ kernels (model/csrc/operators.cpp, built against
+torch's headers where a C++ compiler is found: `native_operators()`), so that a compiled graph's
+call runs no Python; elsewhere their Python functions serve the operators."""
 
 import ctypes
 import functools
@@ -21,6 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
+OPERATORS_SOURCE = Path(__file__).parent / "csrc" / "operators.cpp"
+NATIVE_OPERATORS = frozenset({"panel_linear", "paged_decode_attention"})  # those operators.cpp implements
 # -ffast-math lets gcc vectorise expf (glibc's libmvec) and the reductions; it is given to the
 # compile only, not the link, so that the library does not switch the process's floating point
 # to flush denormals (gcc links crtfastmath.o into a -ffast-math link).
@@ -85,6 +91,51 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+def build_operators(compiler: str, kernels: Path) -> Path:
+    """Compiles OPERATORS_SOURCE with the C++ `compiler` against this torch's headers into a shared
+    library next to `kernels` (the C kernels' library, built by `build`, which it links to), once per
+    source, kernels and torch build, and returns its path. Raises subprocess.CalledProcessError if it
+    does not compile."""
+    torch_folder = Path(torch.__file__).parent  # its headers in include/, its libraries in lib/
+    torch_libraries = str(torch_folder / "lib")
+    flags = (
+        "-O2",
+        "-std=c++20",
+        "-fPIC",
+        "-shared",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-I{torch_folder / 'include'}",
+    )
+    digest = hashlib.sha256(" ".join(flags).encode() + torch.__version__.encode() + kernels.name.encode() + OPERATORS_SOURCE.read_bytes())
+    library = kernels.parent / f"cpu-operators-{digest.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    with tempfile.TemporaryDirectory(dir=kernels.parent) as scratch:
+        built = Path(scratch) / "operators.so"
+        links = (f"-L{kernels.parent}", f"-l:{kernels.name}", f"-L{torch_libraries}", "-ltorch_cpu", "-lc10")
+        rpaths = ("-Wl,-rpath,$ORIGIN", f"-Wl,-rpath,{torch_libraries}")
+        subprocess.run([compiler, *flags, str(OPERATORS_SOURCE), "-o", str(built), *links, *rpaths], check=True, capture_output=True)
+        os.replace(built, library)
+    return library
+
+
+@functools.cache
+def native_operators() -> frozenset[str]:
+    """The operators (NATIVE_OPERATORS) whose CPU kernels are operators.cpp's, loaded into torch's
+    dispatcher; empty where the C kernels are off or it does not build (no C++ compiler)."""
+    kernels = library()
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if kernels is None or compiler is None:
+        return frozenset()
+    try:
+        torch.ops.load_library(build_operators(compiler, Path(kernels._name)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = error.stderr.decode(errors="replace") if isinstance(error, subprocess.CalledProcessError) else str(error)
+        logger.warning("the C++ operators did not build (%s): their Python functions instead", detail.strip()[-500:])
+        return frozenset()
+    return NATIVE_OPERATORS
+
+
 def load_function(name: str, restype: type | None, argtypes: Sequence[type]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The kernels' C function `name` with its result and argument types set, or None where the
     kernels are off."""
@@ -96,15 +147,19 @@ def load_function(name: str, restype: type | None, argtypes: Sequence[type]) -> 
     return function
 
 
-def register_operator(name: str, function: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> None:
+def register_operator(name: str, function: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> bool:
     """Makes `function` (it mutates none of its arguments, and its output aliases none of them) the
     CPU kernel of the operator torch.ops.transformer_serving.<name>, and `fake` its shape function
-    for torch.compile's tracing. Registered on the dispatcher directly, as vLLM's
-    direct_register_custom_op does: a call then costs 2-3 us more than calling `function`,
-    where torch.library.custom_op's checks (aliasing, autograd, dispatch) cost 10-14 us more (a
-    compiled decode step calls some 30 of them). Its kernel serves oneDNN's tensors too (an
-    argument in oneDNN's packed layout takes the dispatcher to MkldnnCPU, not CPU)."""
+    for torch.compile's tracing; its schema is read from `function`. Where operators.cpp implements
+    the operator (`native_operators()`), that C++ kernel, which must equal `function`, is the CPU
+    kernel instead, and the call returns True. `function` is registered on the dispatcher directly,
+    as vLLM's direct_register_custom_op does: a call then costs 2-3 us more than calling it, where
+    torch.library.custom_op's checks (aliasing, autograd, dispatch) cost 10-14 us more (a compiled
+    decode step calls some 30 of them). It serves oneDNN's tensors too (an argument in oneDNN's
+    packed layout takes the dispatcher to MkldnnCPU, not CPU)."""
     OPERATORS.define(name + torch.library.infer_schema(function, mutates_args=()))
-    for dispatch_key in ("CPU", "MkldnnCPU"):
+    native = name in native_operators()
+    for dispatch_key in ("MkldnnCPU",) if native else ("CPU", "MkldnnCPU"):
         OPERATORS.impl(name, function, dispatch_key)
     OPERATORS._register_fake(name, fake)
+    return native

@@ -126,8 +126,10 @@ class PackedLinear(nn.Module):
         if torch.is_grad_enabled():
             y = panel_matmul(rows, self.panels, self.bias, self.out_features)
         elif n <= panel_rows_limit() and panels_apply():
-            # Under torch.compile the kernel is one opaque operation, as the packed product below.
-            panel = torch.ops.transformer_serving.panel_linear if torch.compiler.is_compiling() else panel_product
+            # Under torch.compile the kernel is one opaque operation, as the packed product below;
+            # eagerly too where its operator's kernel is C++ (cheaper to call than panel_product).
+            through_operator = PANEL_OPERATOR_IS_NATIVE or torch.compiler.is_compiling()
+            panel = torch.ops.transformer_serving.panel_linear if through_operator else panel_product
             y = panel(rows, self.panels, self.bias, self.out_features)
         else:
             packed = torch.ops.transformer_serving.packed_linear if torch.compiler.is_compiling() else packed_product
@@ -171,7 +173,7 @@ def _product_shape(rows: Tensor, weight: Tensor, bias: Tensor | None, out_featur
     return rows.new_empty(rows.shape[0], out_features)
 
 
-cpu_kernels.register_operator("panel_linear", panel_product, _product_shape)
+PANEL_OPERATOR_IS_NATIVE = cpu_kernels.register_operator("panel_linear", panel_product, _product_shape)
 
 
 def packed_product(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
