@@ -81,7 +81,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from benchmarks.provenance import commit
+from benchmarks.provenance import commit, machine
 from decoding.sampling_params import GREEDY
 from decoding.translate import max_new_tokens_for
 from exports.export import export_ct2, export_hf
@@ -575,7 +575,7 @@ def main() -> None:
         "outputs: the peers stop a batch at its longest sentence's limit, ours each sentence at its own (same_as_ours below 1)",
         *(f"{name}: {m['path']} ({m['kind']})" for name, m in models.items()),
     ]
-    report = {"commit": commit(), **results, "models": models, "notes": notes}
+    report = {"commit": commit(), "machine": machine(), **results, "models": models, "notes": notes}
     (out / "peers.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(results, out / "peers.png")
     print(f"{'metric':45s} value")

