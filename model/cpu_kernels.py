@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -147,19 +148,27 @@ def load_function(name: str, restype: type | None, argtypes: Sequence[type]) -> 
     return function
 
 
-def register_operator(name: str, function: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> bool:
+def register_operator(name: str, function: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Makes `function` (it mutates none of its arguments, and its output aliases none of them) the
     CPU kernel of the operator torch.ops.transformer_serving.<name>, and `fake` its shape function
     for torch.compile's tracing; its schema is read from `function`. Where operators.cpp implements
     the operator (`native_operators()`), that C++ kernel, which must equal `function`, is the CPU
-    kernel instead, and the call returns True. `function` is registered on the dispatcher directly,
-    as vLLM's direct_register_custom_op does: a call then costs 2-3 us more than calling it, where
+    kernel instead. `function` is registered on the dispatcher directly, as vLLM's
+    direct_register_custom_op does: a call then costs 2-3 us more than calling it, where
     torch.library.custom_op's checks (aliasing, autograd, dispatch) cost 10-14 us more (a compiled
     decode step calls some 30 of them). It serves oneDNN's tensors too (an argument in oneDNN's
-    packed layout takes the dispatcher to MkldnnCPU, not CPU)."""
+    packed layout takes the dispatcher to MkldnnCPU, not CPU).
+
+    Returns how callers call it: the operator under torch.compile (one opaque operation) and where
+    its kernel is C++ (cheaper to call than `function`), else `function` itself."""
     OPERATORS.define(name + torch.library.infer_schema(function, mutates_args=()))
     native = name in native_operators()
     for dispatch_key in ("MkldnnCPU",) if native else ("CPU", "MkldnnCPU"):
         OPERATORS.impl(name, function, dispatch_key)
     OPERATORS._register_fake(name, fake)
-    return native
+    operator = getattr(torch.ops.transformer_serving, name)
+
+    def call(*args: Any) -> torch.Tensor:
+        return operator(*args) if native or torch.compiler.is_compiling() else function(*args)
+
+    return call

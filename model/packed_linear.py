@@ -126,14 +126,9 @@ class PackedLinear(nn.Module):
         if torch.is_grad_enabled():
             y = panel_matmul(rows, self.panels, self.bias, self.out_features)
         elif n <= panel_rows_limit() and panels_apply():
-            # Under torch.compile the kernel is one opaque operation, as the packed product below;
-            # eagerly too where its operator's kernel is C++ (cheaper to call than panel_product).
-            through_operator = PANEL_OPERATOR_IS_NATIVE or torch.compiler.is_compiling()
-            panel = torch.ops.transformer_serving.panel_linear if through_operator else panel_product
-            y = panel(rows, self.panels, self.bias, self.out_features)
+            y = panel_linear(rows, self.panels, self.bias, self.out_features)  # an operation under torch.compile
         else:
-            packed = torch.ops.transformer_serving.packed_linear if torch.compiler.is_compiling() else packed_product
-            y = packed(rows, self.packed_weight, self.bias, self.out_features)
+            y = packed_linear(rows, self.packed_weight, self.bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -173,7 +168,7 @@ def _product_shape(rows: Tensor, weight: Tensor, bias: Tensor | None, out_featur
     return rows.new_empty(rows.shape[0], out_features)
 
 
-PANEL_OPERATOR_IS_NATIVE = cpu_kernels.register_operator("panel_linear", panel_product, _product_shape)
+panel_linear = cpu_kernels.register_operator("panel_linear", panel_product, _product_shape)
 
 
 def packed_product(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
@@ -189,7 +184,7 @@ def packed_product(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out
     return torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")[:n]  # (N, out)
 
 
-cpu_kernels.register_operator("packed_linear", packed_product, _product_shape)
+packed_linear = cpu_kernels.register_operator("packed_linear", packed_product, _product_shape)
 
 
 def pack_linear_layers(model: Translator | Generator) -> None:

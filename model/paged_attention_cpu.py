@@ -34,9 +34,7 @@ def paged_decode_attention(queries: Tensor, keys: Tensor, values: Tensor, key_bl
     scaled by 1/sqrt(D); query head h reads key head h // (H / Hkv). Requires `applies`. Under
     torch.compile the kernel is one opaque operation that reads the pools (it writes nothing), so a
     compiled step keeps its own writes of the new keys in the graph, done in place."""
-    through_operator = ATTENTION_OPERATOR_IS_NATIVE or torch.compiler.is_compiling()  # a C++ kernel is cheaper to call
-    attend = torch.ops.transformer_serving.paged_decode_attention if through_operator else _kernel_attention
-    return attend(queries, keys, values, key_blocks, lengths)
+    return _attend(queries, keys, values, key_blocks, lengths)
 
 
 def _kernel_attention(queries: Tensor, keys: Tensor, values: Tensor, key_blocks: Tensor, lengths: Tensor) -> Tensor:
@@ -75,4 +73,4 @@ def _attention_shape(queries: Tensor, keys: Tensor, values: Tensor, key_blocks: 
     return queries.new_empty(queries.shape)
 
 
-ATTENTION_OPERATOR_IS_NATIVE = cpu_kernels.register_operator("paged_decode_attention", _kernel_attention, _attention_shape)
+_attend = cpu_kernels.register_operator("paged_decode_attention", _kernel_attention, _attention_shape)

@@ -3,7 +3,9 @@ turned off, and that the operators' C++ kernels equal their Python functions."""
 
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,13 +53,25 @@ def test_a_registered_operator_runs_its_function_eagerly_and_in_a_compiled_graph
     def shape(rows: Tensor, scale: float) -> Tensor:
         return rows.new_empty(rows.shape[:-1])
 
-    cpu_kernels.register_operator("test_scaled_sum", scaled_sum, shape)
+    call = cpu_kernels.register_operator("test_scaled_sum", scaled_sum, shape)
     operator = torch.ops.transformer_serving.test_scaled_sum
     rows = torch.randn(5, 7)
     assert torch.equal(operator(rows, 2.0), scaled_sum(rows, 2.0))
     graph = torch.compile(lambda x: operator(x + 1, 0.5) * 3, backend="aot_eager", fullgraph=True)
     assert torch.allclose(graph(rows), scaled_sum(rows + 1, 0.5) * 3)
     assert "test_scaled_sum" in str(operator.default._schema)
+
+    # What register_operator returns: the function eagerly (no C++ kernel here), one operation in a graph.
+    assert torch.equal(call(rows, 2.0), scaled_sum(rows, 2.0))
+    traced: list[torch.fx.GraphModule] = []
+
+    def capture(module: torch.fx.GraphModule, inputs: list[Tensor]) -> Callable[..., Any]:
+        traced.append(module)
+        return module.forward
+
+    assert torch.allclose(torch.compile(lambda x: call(x + 1, 0.5), backend=capture, fullgraph=True)(rows), scaled_sum(rows + 1, 0.5))
+    (module,) = traced
+    assert [n.target for n in module.graph.nodes if n.op == "call_function"][-1] in (operator, operator.default)  # not its body
 
 
 def test_the_cpp_operators_are_built_once_against_the_kernels(tmp_path: Path) -> None:
