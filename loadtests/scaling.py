@@ -273,15 +273,25 @@ async def timed(action: Callable[[], object], timeline: Timeline, t0: float) -> 
     timeline.action_end = time.monotonic() - t0
 
 
-def autoscaling_scenario(after_scale_out: int = 200) -> Scenario:
+def autoscaling_scenario(after_scale_out: int = 200, dashboard: "Prometheus | None" = None) -> Scenario:
     """24 clients (the shipped generator target is 8 streams a replica): 16 streaming, 6
     non-streaming completions, 2 translating. The load goes on until the generator has 2 replicas
-    RUNNING and `after_scale_out` more requests are answered, then stops (at most 1,000 a client: a
-    bound on a broken cluster); the scenario ends when the generator is back to one replica."""
+    RUNNING and `after_scale_out` more requests are answered, and, with `dashboard`, until that
+    Prometheus counts both replicas healthy (Ray's endpoints show a replica up to 10 s after it
+    started, and one that stopped before its first report never), then stops (at most 1,000 a
+    client: a bound on a broken cluster); the scenario ends when the generator is back to one
+    replica."""
+    shown, asked_at = dashboard is None, 0.0
 
     def scaled_out_and_served(timeline: Timeline) -> bool:
+        nonlocal shown, asked_at
         t = timeline.first(GENERATOR, 2)
-        return t is not None and timeline.completed_after(t) >= after_scale_out
+        if t is None or timeline.completed_after(t) < after_scale_out:
+            return False
+        if not shown and dashboard is not None and time.monotonic() - asked_at >= 1.0:
+            asked_at = time.monotonic()  # one query a second: the clients' loop waits for it
+            shown = dashboard.query(GENERATOR_REPLICAS) == 2
+        return shown
 
     return Scenario(
         load=Load(streams=16, completions=6, translations=2, max_requests=1000),
@@ -370,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
             port = free_port()
             deploy_and_wait(cluster, cluster_config(port), Path(directory) / "config.json")
             started = time.time()
-            timeline = asyncio.run(run_scenario(cluster, f"http://127.0.0.1:{port}", autoscaling_scenario()))
+            timeline = asyncio.run(run_scenario(cluster, f"http://127.0.0.1:{port}", autoscaling_scenario(dashboard=monitor)))
             numbers = summary(timeline)
             print(json.dumps(numbers, indent=2))
             args.out.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,17 @@ from loadtests.cluster import (
     session_members,
     write_config,
 )
-from loadtests.scaling import Load, Scenario, Timeline, autoscaling_scenario, cluster_config, run_prometheus, run_scenario, summary
+from loadtests.scaling import (
+    Load,
+    Prometheus,
+    Scenario,
+    Timeline,
+    autoscaling_scenario,
+    cluster_config,
+    run_prometheus,
+    run_scenario,
+    summary,
+)
 from tests.helpers import assert_serves
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "serving.json"
@@ -60,7 +70,7 @@ class Deployed:
     cluster: LocalCluster
     url: str
     port: int
-    prometheus: str | None  # a Prometheus scraping both nodes (the shipped intervals), where one is installed
+    prometheus: Prometheus | None  # a Prometheus scraping both nodes (the shipped intervals), where one is installed
     directory: Path
 
 
@@ -84,7 +94,7 @@ def deployed() -> Iterator[Deployed]:
                 held = {GENERATOR: {"fault_injection": True, "heartbeat_timeout_s": 600, "engine": engine}}
                 cluster.deploy(write_config(cluster_config(port, models=held), directory / "v1.json"))
                 cluster.wait_for(ReplicaCheck(running={TRANSLATOR: 1, GENERATOR: 1}))
-                yield Deployed(cluster, f"http://127.0.0.1:{port}", port, monitor and monitor.url, directory)
+                yield Deployed(cluster, f"http://127.0.0.1:{port}", port, monitor, directory)
             finally:
                 if monitor is not None:
                     monitor.stop()
@@ -137,7 +147,7 @@ def test_the_app_serves_from_both_nodes_of_a_token_authenticated_cluster(deploye
 def test_the_generator_scales_out_under_load_and_back_in_after_with_every_request_answered(deployed: Deployed) -> None:
     cluster = deployed.cluster
     cluster.wait_for(ReplicaCheck(running={TRANSLATOR: 1, GENERATOR: 1}))
-    timeline = asyncio.run(run_scenario(cluster, deployed.url, autoscaling_scenario()))
+    timeline = asyncio.run(run_scenario(cluster, deployed.url, autoscaling_scenario(dashboard=deployed.prometheus)))
     RUNS["autoscaling"] = timeline
     numbers = summary(timeline)
     print("autoscaling:", numbers)
@@ -164,9 +174,36 @@ def panel_exprs(title: str) -> list[str]:
     return [t["expr"].replace("$model", ".*") for t in panel["targets"]]  # Grafana's "All"
 
 
+def exporter_report(prometheus: str, timeline: Timeline, end: float) -> str:
+    """Serve's and Prometheus's views of the generator's replicas, for a failure's message: when
+    each replica was RUNNING (s since the start), each one's health series as runs of (first s,
+    last s, value), and failed scrapes per target."""
+    start = timeline.wall_start
+    running: dict[str, list[float]] = {}
+    for sample in timeline.samples:
+        for r in sample.replicas:
+            if r.deployment == GENERATOR and r.state == "RUNNING":
+                running.setdefault(r.replica_id, [sample.t, sample.t])[1] = sample.t
+    healthy = query_range(prometheus, f'ray_serve_deployment_replica_healthy{{deployment="{GENERATOR}"}}', start, end)
+    lines = []
+    for series in healthy:
+        runs: list[list[Any]] = []
+        for t, v in series["values"]:
+            if runs and runs[-1][2] == v and t - runs[-1][1] <= 1.5:
+                runs[-1][1] = t
+            else:
+                runs.append([t, t, v])
+        where = f"{series['metric'].get('replica')} @ {series['metric'].get('instance')}"
+        lines.append(f"{where}: {[(round(a - start), round(b - start), v) for a, b, v in runs]}")
+    scrapes = query_range(prometheus, "up", start, end)
+    failed = {s["metric"]["instance"]: sum(v == "0" for _, v in s["values"]) for s in scrapes}
+    return "\n".join([f"RUNNING: {running}", *lines, f"failed scrapes: {failed}"])
+
+
 def test_the_replicas_panel_shows_each_generator_replica_come_and_go(deployed: Deployed) -> None:
     if deployed.prometheus is None:
         pytest.skip("the prometheus binary is not installed (CI installs it)")
+    prometheus = deployed.prometheus.url
     if "autoscaling" not in RUNS:
         pytest.skip("needs the autoscaling test's run")
     timeline = RUNS["autoscaling"]
@@ -174,22 +211,21 @@ def test_the_replicas_panel_shows_each_generator_replica_come_and_go(deployed: D
     per_replica, count = panel_exprs("Replicas over time")
 
     def generator_count(end: float) -> list[int]:
-        (generator,) = [s for s in query_range(deployed.prometheus, count, start, end) if s["metric"]["deployment"] == GENERATOR]
+        (generator,) = [s for s in query_range(prometheus, count, start, end) if s["metric"]["deployment"] == GENERATOR]
         return [int(float(v)) for _, v in generator["values"]]
 
     # Ray's endpoints show a replica's end at their next report (every 10 s): wait for it, bounded.
     deadline = time.monotonic() + METRICS_SETTLE_S
     while (values := generator_count(end := time.time()))[-1] != 1 and time.monotonic() < deadline:
         time.sleep(2)
-    scrapes = query_range(deployed.prometheus, "up", start, end)
-    failed_scrapes = {s["metric"]["instance"]: sum(v == "0" for _, v in s["values"]) for s in scrapes}
-    assert values[0] == 1 and max(values) >= 2 and values[-1] == 1, (values, summary(timeline), f"failed scrapes: {failed_scrapes}")
-    series = [s for s in query_range(deployed.prometheus, per_replica, start, end) if s["metric"]["deployment"] == GENERATOR]
+    report = exporter_report(prometheus, timeline, end)
+    assert values[0] == 1 and max(values) >= 2 and values[-1] == 1, (values, summary(timeline), report)
+    series = [s for s in query_range(prometheus, per_replica, start, end) if s["metric"]["deployment"] == GENERATOR]
     assert len({s["metric"]["replica"] for s in series}) >= 2, series  # one series per replica
     # Both generator replicas answered requests (their own counters, per replica).
     successes = 'ray_serving_request_success_total{model="transformer-shakespeare"}'
     served = f"max by (replica) (max_over_time({successes}[{int(end - start) + 60}s]))"
-    answered = httpx.get(f"{deployed.prometheus}/api/v1/query", params={"query": served, "time": end}, timeout=60).json()["data"]["result"]
+    answered = httpx.get(f"{prometheus}/api/v1/query", params={"query": served, "time": end}, timeout=60).json()["data"]["result"]
     assert sum(float(r["value"][1]) > 0 for r in answered) >= 2, answered
 
 
