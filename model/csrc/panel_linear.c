@@ -24,6 +24,7 @@
 #if defined(__AVX512F__) /* 32 registers of 16 floats */
 #define LANES 16
 #define ROW_GROUP 8
+#define PANEL_FETCH_AHEAD 32 /* k rows of a panel, 4 KB: see panel_rows */
 #elif defined(__AVX__) /* 16 registers of 8 floats */
 #define LANES 8
 #define ROW_GROUP 3
@@ -37,6 +38,9 @@
 #define ROW_GROUP 1
 #endif
 _Static_assert(ROW_GROUP == 1 || ROW_GROUP == 3 || ROW_GROUP == 8, "panel_linear's switch has cases for groups of 1, 3 and 8 rows");
+#ifndef PANEL_FETCH_AHEAD
+#define PANEL_FETCH_AHEAD 0 /* no prefetches: measured on AVX-512 only */
+#endif
 #ifdef HALF_ROW_GROUP
 #define HALF (PANEL / 2)
 #define FETCH_AHEAD 4 /* k rows of a panel, 512 bytes */
@@ -47,14 +51,22 @@ _Static_assert(HALF_ROW_GROUP == 6 && SPLIT_ROWS >= 8, "half_panels' switch has 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
 
-/* Columns [column, column + width) of rows 0..R-1: y[r, c] = bias[c] + sum_k x[r, k] panel[k, c - column]. */
-static inline __attribute__((always_inline)) void panel_rows(int R, const float *x, const float *panel, const float *bias,
-                                                             float *y, int64_t in, int64_t out, int64_t column, int64_t width) {
+/* Columns [column, column + width) of rows 0..R-1: y[r, c] = bias[c] + sum_k x[r, k] panel[k, c - column].
+ * With `fetch` (a panel's first pass, which reads it from memory) it also asks for the panel's lines
+ * PANEL_FETCH_AHEAD k ahead: in a step, other reads (the attention's keys) push the weights out of
+ * the caches between two steps, and on the Intel Xeon (AVX-512) the hardware's prefetchers left the
+ * first pass waiting on them (a translator decoder step's products 1.15-1.27x with it,
+ * docs/performance.md). */
+static inline __attribute__((always_inline)) void panel_rows(int R, int fetch, const float *x, const float *panel,
+                                                             const float *bias, float *y, int64_t in, int64_t out, int64_t column,
+                                                             int64_t width) {
     vec acc[ROW_GROUP][PANEL / LANES];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < PANEL / LANES; j++) acc[r][j] = (vec){0};
     const float *w = panel;
     for (int64_t k = 0; k < in; k++, w += PANEL) {
+        if (PANEL_FETCH_AHEAD > 0 && fetch)
+            for (int line = 0; line < PANEL / 16; line++) __builtin_prefetch(w + PANEL_FETCH_AHEAD * PANEL + 16 * line);
         vec weights[PANEL / LANES];
         for (int j = 0; j < PANEL / LANES; j++) weights[j] = *(const unaligned_vec *)(w + j * LANES);
         for (int r = 0; r < R; r++) {
@@ -145,6 +157,25 @@ static void half_panels(const float *x, const float *panels, const float *bias, 
 }
 #endif
 
+/* panel_rows for n <= ROW_GROUP rows, R made a constant (inlined with `fetch` a constant too). */
+static inline __attribute__((always_inline)) void row_group(int n, int fetch, const float *x, const float *panel, const float *bias,
+                                                            float *y, int64_t in, int64_t out, int64_t column, int64_t width) {
+    switch (n) {
+#if ROW_GROUP >= 8
+    case 8: panel_rows(8, fetch, x, panel, bias, y, in, out, column, width); break;
+    case 7: panel_rows(7, fetch, x, panel, bias, y, in, out, column, width); break;
+    case 6: panel_rows(6, fetch, x, panel, bias, y, in, out, column, width); break;
+    case 5: panel_rows(5, fetch, x, panel, bias, y, in, out, column, width); break;
+    case 4: panel_rows(4, fetch, x, panel, bias, y, in, out, column, width); break;
+#endif
+#if ROW_GROUP >= 3
+    case 3: panel_rows(3, fetch, x, panel, bias, y, in, out, column, width); break;
+    case 2: panel_rows(2, fetch, x, panel, bias, y, in, out, column, width); break;
+#endif
+    default: panel_rows(1, fetch, x, panel, bias, y, in, out, column, width); break;
+    }
+}
+
 /* y (rows, out) = x (rows, in) W^T + bias (out, or NULL), W given as panels (ceil(out / PANEL), in,
  * PANEL), all contiguous. */
 void panel_linear(const float *x, const float *panels, const float *bias, float *y, int64_t rows, int64_t in, int64_t out) {
@@ -160,21 +191,12 @@ void panel_linear(const float *x, const float *panels, const float *bias, float 
         for (int64_t r = 0; r < rows; r += ROW_GROUP) {
             const float *xr = x + r * in;
             float *yr = y + r * out;
-            /* A constant R in each call: the row loops unroll, the accumulators stay in registers. */
-            switch (rows - r < ROW_GROUP ? rows - r : ROW_GROUP) {
-#if ROW_GROUP >= 8
-            case 8: panel_rows(8, xr, panel, bias, yr, in, out, column, width); break;
-            case 7: panel_rows(7, xr, panel, bias, yr, in, out, column, width); break;
-            case 6: panel_rows(6, xr, panel, bias, yr, in, out, column, width); break;
-            case 5: panel_rows(5, xr, panel, bias, yr, in, out, column, width); break;
-            case 4: panel_rows(4, xr, panel, bias, yr, in, out, column, width); break;
-#endif
-#if ROW_GROUP >= 3
-            case 3: panel_rows(3, xr, panel, bias, yr, in, out, column, width); break;
-            case 2: panel_rows(2, xr, panel, bias, yr, in, out, column, width); break;
-#endif
-            default: panel_rows(1, xr, panel, bias, yr, in, out, column, width); break;
-            }
+            /* Constant R and fetch in each call: the row loops unroll, the accumulators stay in registers. */
+            const int n = rows - r < ROW_GROUP ? (int)(rows - r) : ROW_GROUP;
+            if (r == 0) /* the panel's first pass */
+                row_group(n, 1, xr, panel, bias, yr, in, out, column, width);
+            else
+                row_group(n, 0, xr, panel, bias, yr, in, out, column, width);
         }
     }
 }
