@@ -55,7 +55,7 @@ typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), a
  * With `fetch` (a panel's first pass, which reads it from memory) it also asks for the panel's lines
  * PANEL_FETCH_AHEAD k ahead: in a step, other reads (the attention's keys) push the weights out of
  * the caches between two steps, and on the Intel Xeon (AVX-512) the hardware's prefetchers left the
- * first pass waiting on them (a translator decoder step's products 1.15-1.27x with it,
+ * first pass waiting on them (a translator decoder step's products 1.11-1.25x with it,
  * docs/performance.md). */
 static inline __attribute__((always_inline)) void panel_rows(int R, int fetch, const float *x, const float *panel,
                                                              const float *bias, float *y, int64_t in, int64_t out, int64_t column,
