@@ -1,16 +1,19 @@
 """Structured outputs' cost: constrained against unconstrained decoding throughput on the same
-requests, side by side in one run, at batch 1 and 16 (target: constrained >= 0.8x).
+requests, side by side in one run, at batch 1 and 16 (target: constrained >= 0.8x); and the
+grammar's fast-forward (forced tokens appended without a model step each) on against off.
 
     python -m benchmarks.structured [--model FOLDER | --vocab 49152] [--json] [--quick] [--out benchmarks/results]
 
 Each round generates a batch of JSON objects under a schema (sampled, a seed per request), then
 the same prompts unconstrained with each request's max_tokens set to the length its constrained
 twin produced and eos ignored: the same tokens through the same engine, the grammar's masks
-(computed beside the forward, service/engine/grammar.py) the only difference. Rounds alternate
-and each side's median throughput is kept. A mask's cost grows with the vocabulary: --model takes
-a Hugging Face folder (a real model's vocabulary); --vocab N builds (once, into runs/) a small
-Llama-shaped folder with random weights and a byte-level BPE of N tokens trained on the shared
-data (N = 49,152 is SmolLM2's); default the shipped generator (2,000 tokens). Writes structured.json into --out;
+(computed beside the forward, service/engine/grammar.py) the only difference; then the same
+constrained requests with fast-forward off (EngineConfig.grammar_fast_forward), whose outputs may
+be tokenized otherwise: compared by tokens/s. Rounds alternate and each side's median is kept. A
+mask's cost grows with the vocabulary: --model takes a Hugging Face folder (a real model's
+vocabulary); --vocab N builds (once, into runs/) a small Llama-shaped folder with random weights
+and a byte-level BPE of N tokens trained on the shared data (N = 49,152 is SmolLM2's); default
+the shipped generator (2,000 tokens). Writes structured.json into --out;
 --quick (fewer rounds and requests) writes to a temporary folder unless --out says where.
 """
 
@@ -19,6 +22,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -63,7 +67,7 @@ def compare(engine: Engine, batch: int, rounds: int) -> dict[str, float]:
     """Median tokens/s of constrained and unconstrained rounds on the same requests, and their ratio."""
     prompt = engine.runner.encode_prompt(PROMPT)
     schema = StructuredOutput("json", json.dumps(PERSON))
-    constrained_rates, plain_rates = [], []
+    constrained_rates, plain_rates, stepped_rates = [], [], []
     for round in range(rounds):
         sampling = [SamplingParams(temperature=1.0, seed=round * batch + i) for i in range(batch)]
         limit = engine.max_tokens_limit(len(prompt))
@@ -74,8 +78,20 @@ def compare(engine: Engine, batch: int, rounds: int) -> dict[str, float]:
         plain_counts, plain_seconds = run_batch(engine, prompt, plain)
         assert plain_counts == counts, "the unconstrained twins generate as many tokens"
         plain_rates.append(sum(plain_counts) / plain_seconds)
+        fast_forward = engine.config
+        engine.config = replace(fast_forward, grammar_fast_forward=False)  # read at every step: the same engine, stepping each token
+        stepped_counts, stepped_seconds = run_batch(engine, prompt, constrained)
+        engine.config = fast_forward
+        stepped_rates.append(sum(stepped_counts) / stepped_seconds)
     constrained_rate, plain_rate = statistics.median(constrained_rates), statistics.median(plain_rates)
-    return {"constrained_tok_s": constrained_rate, "unconstrained_tok_s": plain_rate, "ratio": constrained_rate / plain_rate}
+    stepped_rate = statistics.median(stepped_rates)
+    return {
+        "constrained_tok_s": constrained_rate,
+        "unconstrained_tok_s": plain_rate,
+        "ratio": constrained_rate / plain_rate,
+        "fast_forward_off_tok_s": stepped_rate,
+        "fast_forward_gain": constrained_rate / stepped_rate,
+    }
 
 
 def large_vocabulary_folder(vocab_size: int) -> Path:
@@ -133,7 +149,8 @@ def main() -> None:
         if isinstance(figures, dict):
             print(
                 f"{name:9s} constrained {figures['constrained_tok_s']:7.1f} tok/s, unconstrained "
-                f"{figures['unconstrained_tok_s']:7.1f} tok/s: {figures['ratio']:.2f}x"
+                f"{figures['unconstrained_tok_s']:7.1f} tok/s: {figures['ratio']:.2f}x; fast-forward off "
+                f"{figures['fast_forward_off_tok_s']:7.1f} tok/s: on {figures['fast_forward_gain']:.2f}x"
             )
     if args.json:
         print(json.dumps(results))

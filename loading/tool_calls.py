@@ -60,27 +60,50 @@ def tool_call_format(template: str) -> ToolCallFormat | None:
     return None
 
 
-def _call_schema(tools: Sequence[FunctionTool], arguments_key: str) -> dict[str, Any]:
-    """A JSON schema of one call of any of the tools: its name, then arguments that match its parameters."""
+def _moved_references(schema: Any, home: str) -> Any:
+    """The schema with its root-relative references ("#", "#/...") pointing into `home` (a JSON
+    pointer, where the schema is placed inside another); values (const, enum, ...) left as they are."""
+    if isinstance(schema, list):
+        return [_moved_references(item, home) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            moved[key] = home + value[1:]
+        elif key in ("const", "enum", "default", "examples"):
+            moved[key] = value
+        else:
+            moved[key] = _moved_references(value, home)
+    return moved
+
+
+def _call_schema(tools: Sequence[FunctionTool], arguments_key: str, json_options: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema of one call of any of the tools: its name, then arguments that match its
+    parameters. Each tool's parameters sit in the root's $defs (their own $defs and root references
+    moved with them), so that a pydantic-style "#/$defs/..." still resolves."""
     return {
+        "x-guidance": json_options,
         "anyOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, arguments_key: t.parameters},
+                "properties": {"name": {"const": t.name}, arguments_key: {"$ref": f"#/$defs/tool{i}"}},
                 "required": ["name", arguments_key],
                 "additionalProperties": False,
             }
-            for t in tools
-        ]
+            for i, t in enumerate(tools)
+        ],
+        "$defs": {f"tool{i}": _moved_references(t.parameters, f"#/$defs/tool{i}") for i, t in enumerate(tools)},
     }
 
 
-def forced_call_grammar(format: ToolCallFormat, tools: Sequence[FunctionTool], parallel: bool) -> str:
+def forced_call_grammar(format: ToolCallFormat, tools: Sequence[FunctionTool], parallel: bool, json_options: dict[str, Any]) -> str:
     """A Lark grammar (llguidance's, with embedded JSON schemas) of a reply made of tool calls of
-    these tools only, in the format: at least one (several when parallel), arguments valid."""
+    these tools only, in the format: at least one (several when parallel), arguments valid.
+    json_options: llguidance's JSON options (whitespace, separators) for the calls' JSON."""
     if format == "llama3_json":
-        return f"start: %json {json.dumps(_call_schema(tools, 'parameters'))}"
-    call = f'call: "{HERMES_OPEN}\\n" %json {json.dumps(_call_schema(tools, "arguments"))} "\\n{HERMES_CLOSE}"'
+        return f"start: %json {json.dumps(_call_schema(tools, 'parameters', json_options))}"
+    call = f'call: "{HERMES_OPEN}\\n" %json {json.dumps(_call_schema(tools, "arguments", json_options))} "\\n{HERMES_CLOSE}"'
     return ('start: call ("\\n" call)*' if parallel else "start: call") + "\n" + call
 
 
@@ -105,10 +128,12 @@ def _held_back(text: str, marker: str) -> int:
 class ToolCallParser:
     """A reply's text fed as it streams, split into content and calls. feed() returns the content
     that is certain to be content and the calls completed; close() what remains at the end (a
-    call cut short, or that does not parse, is content)."""
+    call cut short, that does not parse, or that names a function not in `declared` is content:
+    a client that runs the calls it gets never gets one it did not offer)."""
 
-    def __init__(self, format: ToolCallFormat) -> None:
+    def __init__(self, format: ToolCallFormat, declared: frozenset[str]) -> None:
         self.format = format
+        self.declared = declared
         self._buffer = ""
         self._in_call = False  # hermes: inside <tool_call>; llama3_json: the reply is a call
         self._started = False  # llama3_json: the reply's first non-space character was seen
@@ -133,7 +158,7 @@ class ToolCallParser:
             if end < 0:
                 break
             body, self._buffer, self._in_call = self._buffer[:end], self._buffer[end + len(HERMES_CLOSE) :], False
-            call = _parsed(body.strip(), "arguments")
+            call = self._declared(_parsed(body.strip(), "arguments"))
             if call is None:
                 content += HERMES_OPEN + body + HERMES_CLOSE
             else:
@@ -154,11 +179,14 @@ class ToolCallParser:
         if not self._in_call:
             return self._between(rest, []), []
         if self.format == "llama3_json":
-            calls = [_parsed(part, "parameters") for part in re.split(r"\s*;\s*(?=\{)", rest.strip())]
+            calls = [self._declared(_parsed(part, "parameters")) for part in re.split(r"\s*;\s*(?=\{)", rest.strip())]
             found = [c for c in calls if c is not None]
             return ("", found) if found and len(found) == len(calls) else (rest, [])
-        call = _parsed(rest.strip(), "arguments")  # a call whose closing tag never came
+        call = self._declared(_parsed(rest.strip(), "arguments"))  # a call whose closing tag never came
         return ("", [call]) if call else (HERMES_OPEN + rest, [])
+
+    def _declared(self, call: ParsedCall | None) -> ParsedCall | None:
+        return call if call is not None and call.name in self.declared else None
 
     def _between(self, text: str, calls: list[ParsedCall]) -> str:
         """Text outside calls, less the whitespace between and after calls."""

@@ -25,6 +25,7 @@ from service.engine.config import StructuredOutput, TokenLogprob
 from service.engine.engine import Engine
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from service.engine.faults import FaultInjectingRunner, FaultKind
+from service.engine.grammar_check import closed_schema, json_options
 from service.engine.inspector import AttentionInspector
 from service.engine.request import Delta, GenerationParams, Request
 from service.metrics import ServingMetrics
@@ -126,6 +127,7 @@ def chunk(delta: Delta, tokenizer: TextTokenizer, request: GenerateRequest, echo
         tuple(token_text(tokenizer, s) for s in delta.logprobs or ()),
         echo,
         tuple(token_text(tokenizer, s) for s in delta.prompt_logprobs or ()) if request.logprobs is not None else (),
+        error=delta.error if delta.finish_reason == "constraint" else None,  # an internal error's text stays in the log
     )
 
 
@@ -191,19 +193,26 @@ class ModelDeployment:
     def _tool_calls(self, request: GenerateRequest) -> tuple[ToolCallParser | None, StructuredOutput | None]:
         """A chat with tools: the parser of the calls in its reply, in the format the model's chat
         template asks for, and the grammar that forces a call when tool_choice asks for one."""
-        if not request.tools or request.tool_choice == "none":
+        if not request.tools:
             return None, request.structured
         format = tool_call_format(self.runner.tokenizer.chat_template or "")
-        if format is None:
+        if format is None:  # under every tool_choice, "none" too: the tools would be rendered as the template sees fit
             message = f"the model {self.config.name}'s chat template does not render tools in a tool-call format this server parses"
             raise InvalidRequestError(message + " (Hermes <tool_call>, Llama 3.1 JSON)", "tools")
+        if request.tool_choice == "none":
+            return None, request.structured
+        parser = ToolCallParser(format, frozenset(t.name for t in request.tools))
         if request.tool_choice == "auto" and request.tool_name is None:
-            return ToolCallParser(format), request.structured
+            return parser, request.structured
         if request.structured is not None:
             raise InvalidRequestError("a forced tool call cannot also take response_format or structured_outputs", "tool_choice")
-        tools = [template_function(t) for t in request.tools if request.tool_name in (None, t.name)]
-        grammar = forced_call_grammar(format, tools, request.parallel_tool_calls and request.tool_name is None)
-        return ToolCallParser(format), StructuredOutput("lark", grammar, "tool_choice")
+        tools = [
+            FunctionTool(t.name, t.description, closed_schema(json.loads(t.parameters), t.strict))
+            for t in request.tools
+            if request.tool_name in (None, t.name)
+        ]
+        grammar = forced_call_grammar(format, tools, request.parallel_tool_calls and request.tool_name is None, json_options(None))
+        return parser, StructuredOutput("lark", grammar, "tool_choice")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | Refusal]:
         try:

@@ -41,7 +41,8 @@ LATENCY_BUCKETS = [
 # (edges at k + 0.5, midpoint k) keeps rate(sum) / rate(count), the mean batch, exact there.
 BATCH_BUCKETS = [k + 0.5 for k in range(33)] + [48.5, 64.5, 96.5, 128.5, 256.5]
 FAILURE_REASONS = ("validation", "overloaded", "cancelled", "timeout", "internal", "unavailable")
-ENGINE_FAILURES = {"abort": "cancelled", "error": "internal", "timeout": "timeout"}
+# An output that could not satisfy its structured output is the request's grammar's failure: a 400.
+ENGINE_FAILURES = {"abort": "cancelled", "error": "internal", "timeout": "timeout", "constraint": "validation"}
 
 
 def request_failure_counter() -> Counter:

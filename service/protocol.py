@@ -9,7 +9,8 @@ A replica's `generate(GenerateRequest)` is a stream that yields exactly one of:
   (at most one chunk per stream interval), a request that is not streamed gets the rest in one
   last chunk. Beam search (beam_size > 1) sends all its text in the last chunk, with the
   `alternatives`. finish_reason "error" ends a request that failed inside the engine, "timeout"
-  one that passed its deadline in the queue or in total (EngineConfig); either frees its slots.
+  one that passed its deadline in the queue or in total (EngineConfig), "constraint" one whose output
+  could not satisfy its structured output (`Chunk.error` says why); each frees its slots.
 
 Closing the stream early cancels the request; it stops using the model within one step.
 """
@@ -53,7 +54,8 @@ class Tool:
 
     name: str
     description: str | None
-    parameters: str  # the JSON schema of its arguments, as JSON text
+    parameters: str  # the JSON schema of its arguments (an object's), as JSON text
+    strict: bool = False  # OpenAI's: a forced call gives every listed argument
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class Chunk:
     echo: str | None = None  # with GenerateRequest.echo, on the first chunk: the prompt's text
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with echo and logprobs, on the first chunk (the first token's is None)
     tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this chunk (their text is not in `text`)
+    error: str | None = None  # with finish_reason "constraint": why the output could not go on, for the client
 
     def followed_by(self, later: "Chunk") -> "Chunk":
         """This chunk and the next one of the same stream, as one."""
@@ -117,6 +120,7 @@ class Chunk:
             self.echo if self.echo is not None else later.echo,
             self.prompt_logprobs or later.prompt_logprobs,
             self.tool_calls + later.tool_calls,
+            later.error,
         )
 
 

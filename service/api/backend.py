@@ -142,14 +142,17 @@ async def open_stream(backend: ModelBackend, request: GenerateRequest, retry_aft
 def ended_in_failure(chunk: Chunk, what: str, retry_after: int | None = None) -> APIError:
     """The HTTP error of a chunk that ends a request in failure: the engine's ("error") a 500 (the
     replica counted it), a deadline passed ("timeout") a 503 to retry (after retry_after, when the
-    answer has not begun: a stream ends with an error event instead)."""
+    answer has not begun: a stream ends with an error event instead), an output that could not
+    satisfy its structured output ("constraint") a 400 saying why."""
+    if chunk.finish_reason == "constraint":
+        return APIError(400, f"the {what} could not satisfy its structured output: {chunk.error}", counted=True)
     if chunk.finish_reason == "timeout":
         return APIError(503, f"the {what} timed out waiting for the model; retry later", None, retry_after, counted=True)
     return APIError(500, f"internal error during {what}", counted=True)
 
 
 def failed(chunk: Chunk) -> bool:
-    return chunk.finish_reason in ("error", "timeout")
+    return chunk.finish_reason in ("error", "timeout", "constraint")
 
 
 async def _chunks(first: Chunk, rest: AsyncGenerator[Chunk | Refusal, None], retry_after: int) -> AsyncGenerator[Chunk, None]:

@@ -112,9 +112,13 @@ def structured_output(body: SamplingRequest) -> StructuredOutput | None:
     if isinstance(form, JSONObjectFormat):
         return StructuredOutput("json", ANY_OBJECT, "response_format")
     if isinstance(form, JSONSchemaResponseFormat):
-        return StructuredOutput("json", json.dumps(form.json_schema.schema_), "response_format.json_schema.schema")
+        strict = bool(form.json_schema.strict)
+        return StructuredOutput("json", json.dumps(form.json_schema.schema_), "response_format.json_schema.schema", strict)
     if constraint is None:
         return None
+    if constraint.disable_any_whitespace and constraint.whitespace_pattern is not None:
+        raise APIError(400, "send one of disable_any_whitespace and whitespace_pattern", "structured_outputs.whitespace_pattern")
+    whitespace = "" if constraint.disable_any_whitespace else constraint.whitespace_pattern
     given = {"json": constraint.json_, "regex": constraint.regex, "choice": constraint.choice, "grammar": constraint.grammar}
     given = {kind: value for kind, value in given.items() if value is not None}
     if constraint.json_object:
@@ -125,7 +129,7 @@ def structured_output(body: SamplingRequest) -> StructuredOutput | None:
     param = f"structured_outputs.{kind}"
     if kind in ("json", "json_object", "choice"):
         text = value if isinstance(value, str) else json.dumps(value)
-        return StructuredOutput("choice" if kind == "choice" else "json", text, param)
+        return StructuredOutput("choice", text, param) if kind == "choice" else StructuredOutput("json", text, param, whitespace=whitespace)
     return StructuredOutput("regex" if kind == "regex" else "grammar", str(value), param)
 
 
@@ -169,7 +173,14 @@ def tool_fields(body: ChatCompletionRequest) -> dict[str, Any]:
             raise APIError(400, f"tool_choice names {name!r}, which is not among tools", "tool_choice")
         choice = "required"
     no_arguments = {"type": "object", "properties": {}}
-    tools = tuple(Tool(t.function.name, t.function.description, json.dumps(t.function.parameters or no_arguments)) for t in body.tools)
+    for i, t in enumerate(body.tools):
+        if t.function.parameters is not None and t.function.parameters.get("type") != "object":
+            message = "a function's parameters must be a JSON schema of an object (type: object)"
+            raise APIError(400, message, f"tools.{i}.function.parameters")
+    tools = tuple(
+        Tool(t.function.name, t.function.description, json.dumps(t.function.parameters or no_arguments), bool(t.function.strict))
+        for t in body.tools
+    )
     return {"tools": tools, "tool_choice": choice, "tool_name": name, "parallel_tool_calls": body.parallel_tool_calls}
 
 

@@ -63,7 +63,7 @@ class JSONSchemaFormat(StrictModel):
     name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: StrictStr | None = None
     schema_: dict[str, Any] = Field(alias="schema")  # the output's JSON schema
-    strict: StrictBool | None = None  # accepted; the output always follows the schema
+    strict: StrictBool | None = None  # OpenAI's: every property an object schema lists is required (docs/api.md)
 
 
 class TextFormat(StrictModel):
@@ -90,6 +90,10 @@ class StructuredOutputs(StrictModel):
     choice: list[Text] | None = Field(None, min_length=1)
     grammar: StrictStr | None = None  # EBNF: GBNF (llama.cpp's) or Lark
     json_object: StrictBool | None = None
+    # vLLM's JSON whitespace options: none at all, or this regular expression where JSON allows
+    # whitespace (default: one optional space)
+    disable_any_whitespace: StrictBool = False
+    whitespace_pattern: StrictStr | None = Field(None, max_length=200)
 
 
 class SamplingRequest(StrictModel):
@@ -187,7 +191,7 @@ class FunctionDefinition(StrictModel):
     name: StrictStr = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
-    strict: StrictBool | None = None  # accepted; forced calls always follow the parameters' schema
+    strict: StrictBool | None = None  # OpenAI's: a forced call gives every listed argument (docs/api.md)
 
 
 class ToolBody(StrictModel):

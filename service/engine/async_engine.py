@@ -54,6 +54,7 @@ class AsyncEngine:
         self._stopping.set()
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self.engine.grammars.checker.close()
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._pending
@@ -69,18 +70,22 @@ class AsyncEngine:
         return self.engine.counters
 
     async def submit(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None) -> AsyncGenerator[Delta, None]:
-        """Resolves and checks the parameters and queues at once (raising InvalidRequestError or
-        QueueFullError before any model work), then returns the request's delta stream. Leaving
+        """Resolves and checks the parameters, compiles a structured output's grammar off the event
+        loop, and queues (raising InvalidRequestError or QueueFullError before any model work),
+        then returns the request's delta stream. Leaving
         the stream early (a client disconnect cancels the reader) aborts the request at the next
         step."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         params = self.engine.resolve(prompt_ids, params)
+        grammar = None
+        if params.structured is not None:  # checked in the grammars' worker process, built on a thread: never on the loop
+            grammar = await asyncio.to_thread(self.engine.grammars.matcher, params.structured)
         with self._pending_lock:
             if self.num_waiting() >= self.engine.config.max_waiting:
                 raise QueueFullError(f"waiting queue full ({self.engine.config.max_waiting} requests)")
             self._pending += 1
-        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params)
+        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params, grammar=grammar)
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         self._inbox.put(_Submit(request, deltas, asyncio.get_running_loop()))
         self._wakeup.set()

@@ -7,7 +7,9 @@ from typing import Literal
 
 BatchingPolicy = Literal["continuous", "static"]
 # Why a request ended: eos or a stop string, its token limit, the caller left, the model failed, a deadline.
-FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
+# "constraint": the output could not go on within its structured output (its grammar failed at a
+# step, or the finished output broke its schema); the request is answered with the reason, not text.
+FinishReason = Literal["stop", "length", "abort", "error", "timeout", "constraint"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,10 @@ class StructuredOutput:
     kind: GrammarKind
     spec: str  # json: the schema as JSON text; choice: a JSON list of strings; else the grammar's text
     param: str = "structured_outputs"  # the request field it came from, named when it cannot compile
+    strict: bool = False  # json: every property an object schema lists is required (OpenAI's strict)
+    # json: the whitespace allowed where JSON allows it, as a regular expression; None: one optional
+    # space (service/engine/grammar_check.py DEFAULT_WHITESPACE); "": none
+    whitespace: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,15 @@ class EngineConfig:
     # of sizes, each bucket kept only where the compiled step is faster. Empty: every step eager.
     # Not used where CUDA graphs run the decodes.
     compiled_decode: tuple[int, ...] = ()
+    # Structured outputs' grammars are checked and converted in a worker process: a grammar text
+    # (schema, regex, choices or EBNF) over grammar_max_bytes, or taking over
+    # grammar_compile_timeout_s there, is refused with a 400 (service/engine/grammar_check.py).
+    grammar_max_bytes: int = 65536
+    grammar_compile_timeout_s: float = 5.0
+    # Tokens a grammar forces (JSON keys and punctuation of a schema, a choice's rest once it is
+    # unambiguous) are appended without a model step each and computed with the next sampled one
+    # (llguidance's fast-forward). Paged KV (decoder-only models) only.
+    grammar_fast_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.n_slots < 1 or self.max_waiting < 1 or self.max_num_batched_tokens < 1:
@@ -90,6 +105,8 @@ class EngineConfig:
             raise ValueError("max_tokens_cap and default_max_tokens must be at least 1")
         if any(not 1 <= size <= self.n_slots for size in self.compiled_decode):
             raise ValueError(f"compiled_decode batch sizes must be between 1 and n_slots ({self.n_slots})")
+        if self.grammar_max_bytes < 1 or self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_max_bytes and grammar_compile_timeout_s must be positive")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError("max_context must be at least 2 (a prompt token and one generated)")
 

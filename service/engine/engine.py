@@ -14,7 +14,8 @@ from model.packed_linear import pack_linear_layers, packing_available
 from service.engine.config import EngineConfig, FinishReason, TokenLogprob
 from service.engine.detokenizer import IncrementalDetokenizer, PieceBytes
 from service.engine.errors import InvalidRequestError
-from service.engine.grammar import GrammarCompiler
+from service.engine.grammar import GrammarCompiler, json_problem
+from service.engine.grammar_check import first_line
 from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.runner import ModelRunner, RunnerOutput, runner_for
@@ -86,7 +87,7 @@ class Engine:
         self.scheduler = Scheduler(config.n_slots, *limits) if self.blocks is None else BlockScheduler(self.blocks, config.n_slots, *limits)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pieces = PieceBytes(runner.tokenizer)  # every request's detokenizer reads its tokens' bytes here
-        self.grammars = GrammarCompiler(runner.tokenizer, runner.eos_ids)
+        self.grammars = GrammarCompiler(runner.tokenizer, runner.eos_ids, config.grammar_max_bytes, config.grammar_compile_timeout_s)
         self.counters = EngineCounters()
         self.on_step: Callable[[StepReport], None] | None = None  # e.g. metrics; called from the stepping thread
 
@@ -142,21 +143,24 @@ class Engine:
                 raise InvalidRequestError("a structured output is generated token by token: it cannot take beam search", "beam_size")
             if params.min_tokens:
                 raise InvalidRequestError("min_tokens cannot hold back the end of a structured output", "min_tokens")
-            self.grammars.compiled(params.structured)  # compiled now (and kept): a grammar that fails is the request's 400
         return replace(params, max_tokens=max_tokens)
 
     def add_request(self, request: Request) -> None:
-        """Resolves its parameters and queues it; raises InvalidRequestError or QueueFullError
-        without queueing."""
+        """Resolves its parameters, compiles its grammar (on this thread) and queues it; raises
+        InvalidRequestError or QueueFullError without queueing."""
         request.params = self.resolve(request.prompt_ids, request.params)
+        if request.params.structured is not None:
+            request.grammar = self.grammars.matcher(request.params.structured)
         self.queue(request)
 
     def queue(self, request: Request) -> None:
-        """Queues a request whose parameters `resolve` returned; raises QueueFullError without queueing."""
+        """Queues a request whose parameters `resolve` returned, with its grammar's matcher when it
+        has a structured output (the engine's thread never compiles); raises QueueFullError
+        without queueing. A structured output ends where its grammar does: stop strings do not cut it."""
+        assert (request.grammar is None) == (request.params.structured is None), "a structured output's matcher is made by the caller"
         self.scheduler.add(request)
-        if request.params.structured is not None:
-            request.grammar = self.grammars.matcher(request.params.structured)
-        detokenizer = IncrementalDetokenizer(self._pieces, request.params.stop, self.runner.strip_leading_space, request.params.min_tokens)
+        stop = () if request.params.structured is not None else request.params.stop
+        detokenizer = IncrementalDetokenizer(self._pieces, stop, self.runner.strip_leading_space, request.params.min_tokens)
         self._detokenizers[request.request_id] = detokenizer
 
     def abort(self, request_id: str) -> None:
@@ -263,34 +267,82 @@ class Engine:
             self.scheduler.finish(r, "length")
             return self._finish(r, "length", report, prompt_logprobs=scored)
         self._token_timing(r, now, 1, report)
-        if r.grammar is not None and not r.grammar.consume_token(token):
-            log.warning("request %s: its grammar refused token %d (%s)", r.request_id, token, r.grammar.get_error())
-        if token in self.runner.eos_ids and not r.params.ignore_eos:
-            self.scheduler.finish(r, "stop")
-            return self._finish(r, "stop", report, prompt_logprobs=scored)
+        problem = self._grammar_problem(r, [token])
+        if problem is None and token in self.runner.eos_ids and not r.params.ignore_eos:
+            problem = self._finished_output_problem(r)
+            if problem is None:
+                self.scheduler.finish(r, "stop")
+                return self._finish(r, "stop", report, prompt_logprobs=scored)
+        if problem is not None:
+            self.scheduler.finish(r, "constraint")
+            return self._finish(r, "constraint", report, error=problem)
         r.output_ids.append(token)
+        forced = self._fast_forward(r)
+        report.generated_tokens += len(forced)
+        token_ids = [token, *forced]
         logprob = output.logprobs.get(r.request_id)
         logprobs = [logprob] if logprob is not None else None
         detokenizer = self._detokenizers[r.request_id]
-        text = detokenizer.add(token)
-        ending: FinishReason | None = None
-        if detokenizer.stopped:
-            ending = "stop"
-        elif len(r.output_ids) >= r.max_tokens:
-            ending = "length"
+        text = "".join(detokenizer.add(t) for t in token_ids)
+        ending = self._ending(r, detokenizer.stopped)
+        if r.grammar is not None and (ending == "stop" or r.grammar.is_error()):
+            problem = self._grammar_problem(r, []) or self._finished_output_problem(r)
+            if problem is not None:
+                self.scheduler.finish(r, "constraint")
+                return self._finish(r, "constraint", report, error=problem)
         if ending is not None:
             self.scheduler.finish(r, ending)
-            return self._finish(r, ending, report, text=text, token_ids=[token], logprobs=logprobs, prompt_logprobs=scored)
+            return self._finish(r, ending, report, text=text, token_ids=token_ids, logprobs=logprobs, prompt_logprobs=scored)
         return Delta(
             r.request_id,
             text,
-            [token],
+            token_ids,
             None,
             prompt_tokens=len(r.prompt_ids),
             completion_tokens=len(r.output_ids),
             logprobs=logprobs,
             prompt_logprobs=scored,
         )
+
+    def _ending(self, r: Request, stop_string: bool) -> FinishReason | None:
+        """Why the request ends after its newest tokens, if it does: a stop string, a grammar that
+        is complete (only an eos could follow: it is not waited for), its token limit."""
+        if stop_string or (r.grammar is not None and r.grammar.is_stopped() and not r.grammar.is_error() and not r.params.ignore_eos):
+            return "stop"
+        return "length" if len(r.output_ids) >= r.max_tokens else None
+
+    def _grammar_problem(self, r: Request, tokens: list[int]) -> str | None:
+        """Why the request's output cannot go on within its structured output with these tokens
+        (None when it can, or has none): its grammar failed at this step (a parser limit met, or
+        a token refused); the matcher is advanced by them."""
+        grammar, output = r.grammar, r.params.structured
+        if grammar is None or output is None:
+            return None
+        if not grammar.consume_tokens(tokens) or grammar.is_error():  # a failed mask leaves the matcher in error
+            return f"{output.param}: the output could not go on after {len(r.output_ids)} tokens: {first_line(grammar.get_error())}"
+        return None
+
+    def _finished_output_problem(self, r: Request) -> str | None:
+        """Why a finished JSON output breaks its schema where the grammar could not see it (None
+        when it holds, or is no JSON): service/engine/grammar.py json_problem."""
+        output = r.params.structured
+        if output is None or output.kind != "json":
+            return None
+        problem = json_problem(output, self.runner.tokenizer.decode(r.output_ids))
+        return None if problem is None else f"{output.param}: the finished output breaks its schema: {problem}"
+
+    def _fast_forward(self, r: Request) -> list[int]:
+        """The tokens r's grammar forces next, appended to its output without a model step each
+        (llguidance's fast-forward, "jump-forward" decoding): the next step computes them with the
+        token it samples after them, as a prompt chunk. Paged KV only; not where logprobs are asked
+        (a forced token has none computed). At most what max_tokens leaves."""
+        if r.grammar is None or not self.config.grammar_fast_forward or self.blocks is None or r.params.logprobs is not None:
+            return []
+        forced = r.grammar.compute_ff_tokens()[: r.max_tokens - len(r.output_ids)]
+        if forced and self._grammar_problem(r, forced) is None:
+            r.output_ids += forced
+            return forced
+        return []
 
     def _finish(
         self,

@@ -6,6 +6,8 @@ one 3 MB wheel with no dependencies (xgrammar brings triton and a TVM runtime), 
 schemas, regular expressions, Lark and GBNF alike, and its parser computes a mask lazily from a
 token trie in tens of microseconds, with no per-schema precomputation over the vocabulary: a new
 schema costs under a millisecond to compile, which this module still does once per schema.
+Each new grammar is first checked and converted in a worker process, bounded in size and time
+(service/engine/grammar_check.py), and built here from the text it answers, off the engine's thread.
 
 A step's masks are computed on a worker thread while the model computes the step's logits (as vLLM
 overlaps them with the forward), then applied to the rows that sample (`GrammarMasks.apply`); the
@@ -16,8 +18,9 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Any
 
+import jsonschema
 import llguidance
 import torch
 from torch import Tensor
@@ -25,15 +28,10 @@ from torch import Tensor
 from loading.tokenizer import TextTokenizer
 from service.engine.config import StructuredOutput
 from service.engine.errors import InvalidRequestError
+from service.engine.grammar_check import GrammarChecker, closed_schema, first_line
 from service.engine.request import Request
 
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions
-
-CACHED_GRAMMARS = 256  # compiled grammars kept, least recently used dropped first
-# Compact JSON (", " and ": " between items, no other whitespace): a small model given room for
-# whitespace may spend its tokens on it.
-JSON_OPTIONS: "JsonCompileOptions" = {"whitespace_flexible": False}
+CACHED_GRAMMARS = 256  # compiled grammars kept (and refusals remembered), least recently used dropped first
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
@@ -53,31 +51,42 @@ class _Vocabulary:
         return self._encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
 
 
-def grammar_of(output: StructuredOutput) -> str:
-    """The llguidance grammar of a structured output; ValueError when it is not well-formed."""
-    if output.kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(output.spec, defaults=JSON_OPTIONS)
-    if output.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(output.spec)
-    if output.kind == "choice":
-        choices = json.loads(output.spec)
-        if not choices or not all(isinstance(c, str) and c for c in choices):
-            raise ValueError("choice must be a non-empty list of non-empty strings")
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
-    if output.kind == "grammar":
-        return llguidance.grammar_from("grammar", output.spec)  # Lark, or GBNF converted to Lark
-    return llguidance.LLMatcher.grammar_from_lark(output.spec)
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    repeated = {key for key in keys if keys.count(key) > 1}
+    if repeated:
+        raise ValueError(f"the key {sorted(repeated)[0]!r} appears twice in one object")
+    return dict(pairs)
+
+
+def json_problem(output: StructuredOutput, text: str) -> str | None:
+    """Why a finished output breaks its JSON schema (None when it holds): a key twice in one
+    object (which a grammar cannot rule out where other properties are allowed), or any keyword
+    the grammar only approximates, checked by jsonschema against the schema as compiled."""
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_keys)
+    except ValueError as not_json:
+        return str(not_json)
+    schema = closed_schema(json.loads(output.spec), output.strict)
+    try:
+        validator = jsonschema.validators.validator_for(schema)(schema)
+        broken = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    except Exception:  # a schema jsonschema cannot evaluate (llguidance read it): the grammar's word stands
+        return None
+    return None if broken is None else f"{broken.message} (at {broken.json_path})"
 
 
 class GrammarCompiler:
-    """One engine's grammars: compiled once per structured output (kept while used), and a matcher
-    per request. Thread-safe: requests are checked on the caller's thread, queued on the engine's."""
+    """One engine's grammars: compiled once per structured output (kept while used; a refusal is
+    remembered alike), and a matcher per request. Thread-safe: compiled on callers' threads (the
+    async engine's workers), never on the engine's."""
 
-    def __init__(self, tokenizer: TextTokenizer, eos_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: TextTokenizer, eos_ids: frozenset[int], max_bytes: int, timeout_s: float) -> None:
         self._tokenizer = tokenizer
         self._eos_ids = sorted(eos_ids)
+        self.checker = GrammarChecker(max_bytes, timeout_s)
         self._vocabulary: llguidance.LLTokenizer | None = None  # built at the first structured request
-        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[StructuredOutput, llguidance.LLMatcher | str] = OrderedDict()  # a str: the refusal
         self._lock = threading.Lock()
         self._executor: llguidance.LLExecutor | None = None  # with the vocabulary: an engine that never sees a grammar starts no thread
         self._worker: ThreadPoolExecutor | None = None
@@ -87,41 +96,48 @@ class GrammarCompiler:
         """Whether any grammar was compiled (else no request can have a matcher)."""
         return bool(self._compiled)
 
-    def _compile(self, output: StructuredOutput) -> llguidance.LLMatcher:
-        if self._vocabulary is None:
-            wrapper = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._eos_ids[0]))
-            self._vocabulary = llguidance.LLTokenizer(wrapper, n_vocab=self._tokenizer.vocab_size, eos_token=self._eos_ids)
-            self._executor = llguidance.LLExecutor()
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+    def _compile(self, output: StructuredOutput) -> llguidance.LLMatcher | str:
+        with self._lock:
+            if self._vocabulary is None:
+                wrapper = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self._eos_ids[0]))
+                self._vocabulary = llguidance.LLTokenizer(wrapper, n_vocab=self._tokenizer.vocab_size, eos_token=self._eos_ids)
+                self._executor = llguidance.LLExecutor()
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         try:
-            grammar = grammar_of(output)
+            grammar = self.checker.grammar(output)
         except ValueError as error:
-            raise InvalidRequestError(f"{output.param} is not a valid {output.kind}: {error}", output.param) from None
-        problem = llguidance.LLMatcher.validate_grammar(grammar, self._vocabulary)
-        if problem:
-            raise InvalidRequestError(f"{output.param} cannot be compiled: {' '.join(problem.split())}", output.param)
-        matcher = llguidance.LLMatcher(self._vocabulary, grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"{output.param} cannot be compiled: {matcher.get_error()}", output.param)
+            return f"{output.param} {error}"
+        matcher = llguidance.LLMatcher(self._vocabulary, grammar, log_level=0)  # releases the GIL while it builds
+        probe = matcher.deep_copy()
+        if not matcher.is_error():
+            probe.compute_bitmask()  # the first mask over this vocabulary: an error when none of its tokens starts the output
+        if matcher.is_error() or probe.is_error():
+            problem = matcher.get_error() if matcher.is_error() else probe.get_error()
+            return f"{output.param} cannot be served with this model's vocabulary: {first_line(problem)}"
         return matcher
 
     def matcher(self, output: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher of the structured output, at its start; InvalidRequestError (naming
-        output.param) when its grammar does not compile."""
+        output.param) when its grammar cannot be served."""
         return self.compiled(output).deep_copy()
 
     def compiled(self, output: StructuredOutput) -> llguidance.LLMatcher:
         """The structured output's compiled matcher (compiled now when new, then kept): not to be
-        advanced, only copied; InvalidRequestError (naming output.param) when it does not compile."""
+        advanced, only copied; InvalidRequestError (naming output.param) when it cannot be served."""
         with self._lock:
             compiled = self._compiled.get(output)
-            if compiled is None:
-                compiled = self._compile(output)
+        if compiled is None:
+            compiled = self._compile(output)
+            with self._lock:
                 self._compiled[output] = compiled
                 while len(self._compiled) > CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
-            self._compiled.move_to_end(output)
-            return compiled
+        with self._lock:
+            if output in self._compiled:
+                self._compiled.move_to_end(output)
+        if isinstance(compiled, str):
+            raise InvalidRequestError(compiled, output.param)
+        return compiled
 
     def masks(self, requests: list[Request]) -> "GrammarMasks | None":
         """The next-token masks of the requests that have a matcher, started on the worker thread;

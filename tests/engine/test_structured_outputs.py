@@ -1,9 +1,13 @@
 """Structured outputs in the engine (service/engine/grammar.py) on the shipped generator: outputs
 follow their JSON schema, choices, regular expression or grammar whether greedy or sampled, many
-at once, to a clean end (or a stop string's); a constrained greedy output is the argmax over what the grammar allows at
-every step, computed the plain way; the step's masks are llguidance's own; bad grammars are 400s."""
+at once, to a clean end that stop strings do not cut; a constrained greedy output is the argmax
+over what the grammar allows at every step, computed the plain way; the step's masks are
+llguidance's own; grammars that cannot be served are 400s naming the field, decided before any
+token (in the checker's worker process, bounded in size and time); one that fails at a step ends
+its request with reason "constraint", never "stop"; a finished JSON output is checked whole."""
 
 import json
+import os
 import re
 
 import jsonschema
@@ -17,7 +21,8 @@ from decoding.sampling_params import SamplingParams
 from service.engine.config import EngineConfig, StructuredOutput
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequestError
-from service.engine.grammar import GrammarMasks
+from service.engine.grammar import GrammarMasks, json_problem
+from service.engine.grammar_check import GrammarChecker, closed_schema
 from service.engine.request import GenerationParams, Request
 from tests.engine.helpers import context_sensitive_generator, deltas_of
 
@@ -85,15 +90,17 @@ def test_choices_regexes_and_grammars_are_followed(engine: Engine) -> None:
 
 def test_a_length_cut_ends_the_output_cleanly_as_length(engine: Engine) -> None:
     ((text, reason),) = generate(engine, [StructuredOutput("json", json.dumps(PERSON))], max_tokens=3)
-    assert reason == "length" and text.startswith('{"')
+    assert reason == "length" and text.startswith("{")
 
 
-def test_a_stop_string_ends_a_structured_output_where_it_appears(engine: Engine) -> None:
+def test_a_stop_string_does_not_cut_a_structured_output(engine: Engine) -> None:
+    """The grammar decides where the output ends (docs/api.md): a stop string inside it would
+    leave an output that breaks its constraint with finish_reason "stop"."""
     prompt = engine.runner.encode_prompt("ROMEO:\n")
     output = StructuredOutput("choice", json.dumps(["O Romeo, wherefore art thou"]))
     request = Request("stopped", prompt, GenerationParams(max_tokens=40, stop=(", wherefore",), structured=output))
     deltas = deltas_of(engine, {0: [request]})["stopped"]
-    assert "".join(d.text for d in deltas) == "O Romeo" and deltas[-1].finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == "O Romeo, wherefore art thou" and deltas[-1].finish_reason == "stop"
 
 
 def test_constrained_greedy_is_the_argmax_over_what_the_grammar_allows(engine: Engine) -> None:
@@ -119,6 +126,46 @@ def test_constrained_greedy_is_the_argmax_over_what_the_grammar_allows(engine: E
                 break
             generated.append(token)
     assert text == tokenizer.decode(generated)
+
+
+def test_fast_forward_appends_the_forced_tokens_and_computes_what_the_plain_path_does(engine: Engine) -> None:
+    """The plain path with llguidance's forced tokens: the whole sequence through the model at
+    every step, the argmax over the mask, then the tokens the grammar forces appended, until the
+    grammar is complete. The engine appends the same ones without a step each and computes them
+    with the next sampled token (a prompt chunk over the paged KV): the same ids, in fewer steps."""
+    output = StructuredOutput("json", json.dumps(PERSON))
+    prompt = engine.runner.encode_prompt("ROMEO:\n")
+    request = Request("ff", list(prompt), GenerationParams(max_tokens=BOUNDED, sampling=SamplingParams(temperature=0.0), structured=output))
+    deltas = deltas_of(engine, {0: [request]})["ff"]
+    got = [t for d in deltas for t in d.token_ids]
+    assert deltas[-1].finish_reason == "stop" and any(len(d.token_ids) > 1 for d in deltas)  # some tokens were forced
+    model, tokenizer = context_sensitive_generator(), engine.runner.tokenizer
+    matcher = engine.grammars.matcher(output)
+    generated: list[int] = []
+    with torch.inference_mode():
+        while not matcher.is_stopped():
+            logits = model(torch.tensor([prompt + generated]))[0, -1].float()  # (V,)
+            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = np.unpackbits(mask, bitorder="little")[: tokenizer.vocab_size].astype(bool)
+            logits[: tokenizer.vocab_size][~torch.from_numpy(allowed)] = float("-inf")
+            logits[tokenizer.vocab_size :] = float("-inf")
+            token = int(logits.argmax())
+            assert matcher.consume_token(token) and token not in engine.runner.eos_ids
+            forced = matcher.compute_ff_tokens()
+            assert matcher.consume_tokens(forced)
+            generated += [token, *forced]
+    assert got == generated
+    assert len(deltas) < len(got)  # a step per delta: fewer steps than tokens
+    jsonschema.validate(json.loads(tokenizer.decode(got)), PERSON)
+
+
+def test_without_fast_forward_every_token_is_a_step_and_the_output_holds(engine: Engine) -> None:
+    stepping = Engine(engine.runner, EngineConfig(grammar_fast_forward=False))
+    output = StructuredOutput("json", json.dumps(PERSON))
+    request = Request("stepped", engine.runner.encode_prompt("ROMEO:\n"), GenerationParams(max_tokens=BOUNDED, structured=output))
+    deltas = deltas_of(stepping, {0: [request]})["stepped"]
+    assert deltas[-1].finish_reason == "stop" and all(len(d.token_ids) <= 1 for d in deltas)
+    jsonschema.validate(json.loads("".join(d.text for d in deltas)), PERSON)
 
 
 def test_the_steps_masks_are_llguidances_own(engine: Engine) -> None:
@@ -159,8 +206,122 @@ def test_the_steps_masks_are_llguidances_own(engine: Engine) -> None:
 )
 def test_what_cannot_compile_is_refused_naming_the_field(engine: Engine, output: StructuredOutput, param: str) -> None:
     with pytest.raises(InvalidRequestError) as refused:
-        engine.resolve([5, 6], GenerationParams(max_tokens=4, structured=output))
-    assert refused.value.param == param
+        engine.add_request(Request("bad", [5, 6], GenerationParams(max_tokens=4, structured=output)))
+    assert refused.value.param == param and not engine.has_work
+
+
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "words"),
+    [
+        ("regex", r"[^\s\S]", "empty"),
+        ("json", json.dumps({"$ref": "#"}), "empty"),
+        ("json", json.dumps(CYCLE), "empty"),
+        ("json", json.dumps({"allOf": [{"type": "string"}, {"type": "integer"}]}), "Unsatisfiable"),
+        ("json", "false", "admits no value"),
+        ("grammar", 'start: a\na: "x" a', "Too many items"),
+        ("grammar", 'start: "a"{1000000000}', "Too many items"),
+        ("grammar", 'root ::= "a"{1000000000}', "Too many items"),
+        ("json", json.dumps({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}), "served"),
+        ("choice", json.dumps([f"item {i}" for i in range(2001)]), "at most 2000 choices"),
+    ],
+)  # fmt: skip
+def test_grammars_with_no_output_or_past_the_parsers_limits_are_refused_before_any_token(
+    engine: Engine, kind: str, spec: str, words: str
+) -> None:
+    """Empty languages, references that never end and parser limits met in the first steps: a 400
+    decided by the checker, not an empty or cut output answered with "stop"."""
+    output = StructuredOutput(kind, spec, "structured_outputs.x")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match=words) as refused:
+        engine.add_request(Request("bad", [5, 6], GenerationParams(max_tokens=4, structured=output)))
+    assert refused.value.param == "structured_outputs.x" and not engine.has_work
+
+
+def test_the_checker_bounds_a_grammars_size_and_time_in_a_process_of_its_own() -> None:
+    """The GBNF front end is Python and quadratic in a grammar's lines: it runs in the worker,
+    which is killed past the time limit, and the next grammar is checked by a new one."""
+    checker = GrammarChecker(max_bytes=300_000, timeout_s=2.0)  # 200,000 lines take minutes, "ab?" a millisecond
+    try:
+        with pytest.raises(ValueError, match="at most 300,000 are compiled"):
+            checker.grammar(StructuredOutput("regex", "a" * 300_001))
+        assert checker.worker_pid is None  # refused by size: never sent
+        assert checker.grammar(StructuredOutput("regex", "ab?"))
+        first = checker.worker_pid
+        assert first is not None and first != os.getpid()
+        with pytest.raises(ValueError, match="took more than 2 s"):
+            checker.grammar(StructuredOutput("grammar", 'root ::= "a"' + "\n" * 200_000))
+        assert checker.worker_pid is None  # killed
+        assert checker.grammar(StructuredOutput("regex", "ab?"))
+        assert checker.worker_pid not in (None, first)
+    finally:
+        checker.close()
+
+
+def test_a_grammar_that_fails_at_a_step_ends_its_request_as_constraint_not_stop(engine: Engine) -> None:
+    """The probe walks the smallest bytes (a, a, ...); the logit bias walks into "z", past which the
+    grammar meets its parser's limit: the request ends with reason "constraint" and says why."""
+    tokenizer = engine.runner.tokenizer
+    a, z = (tokenizer.encode(letter)[-1] for letter in ("a", "z"))
+    assert tokenizer.decode([a]).strip() == "a" and tokenizer.decode([z]).strip() == "z"
+    output = StructuredOutput("grammar", 'start: "b" | "a"+ "z" "c"{1000000000}', "structured_outputs.grammar")
+    sampling = SamplingParams(temperature=0.0, logit_bias=((a, 50.0), (z, 100.0)))
+    params = GenerationParams(max_tokens=20, sampling=sampling, structured=output)
+    request = Request("fails", engine.runner.encode_prompt("ROMEO:\n"), params)
+    deltas = deltas_of(engine, {0: [request]})["fails"]
+    assert deltas[-1].finish_reason == "constraint"
+    assert deltas[-1].error is not None and deltas[-1].error.startswith("structured_outputs.grammar: the output could not go on")
+    assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+
+
+def test_a_finished_json_output_is_checked_whole_duplicate_keys_included() -> None:
+    """What a grammar cannot rule out where other properties are allowed (a key twice, counted
+    twice by minProperties) is found when the output ends."""
+    counted = StructuredOutput("json", json.dumps({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3}))
+    assert json_problem(counted, '{"data": 1, "items": 1, "more": 2}') is None
+    assert "'data' appears twice" in str(json_problem(counted, '{"data": 1, "items": 1, "data": 1}'))
+    assert "does not have enough properties" in str(json_problem(counted, '{"data": 1}'))
+    strict = StructuredOutput("json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}), strict=True)
+    assert json_problem(strict, '{"a": 1}') is None
+    assert "'a' is a required property" in str(json_problem(strict, "{}"))
+
+
+def test_schemas_are_closed_as_xgrammar_reads_them_and_strict_requires_every_property() -> None:
+    listed = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}, "required": []}
+    assert closed_schema(listed, strict=False) == {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}, "additionalProperties": False}},
+        "required": [],
+        "additionalProperties": False,
+    }
+    assert closed_schema(listed, strict=True)["required"] == ["a"]
+    assert closed_schema(listed, strict=True)["properties"]["a"]["required"] == ["b"]
+    assert closed_schema({"type": "object"}, strict=True) == {"type": "object"}  # any object stays any object
+    assert closed_schema({"properties": {"a": {}}, "additionalProperties": True}, strict=False)["additionalProperties"] is True
+    assert "additionalProperties" not in listed  # the argument is not changed
+
+
+def test_strict_json_ends_after_the_listed_properties_in_their_order(engine: Engine) -> None:
+    """The output a small model would run on with (properties it invents) is closed: it gives the
+    listed keys, in order, and then its end, whatever the model prefers."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "maximum": 99}}}
+    outputs = [StructuredOutput("json", json.dumps(schema), strict=True) for _ in range(4)]
+    for text, reason in generate(engine, outputs):
+        assert reason == "stop"
+        value = json.loads(text)
+        assert list(value) == ["name", "age"]
+
+
+def test_json_whitespace_is_bounded_and_can_be_taken_away(engine: Engine) -> None:
+    schema = json.dumps(PERSON)
+    for whitespace, allowed in ((None, re.compile(r"(?: ?)")), ("", re.compile(""))):
+        outputs = [StructuredOutput("json", schema, whitespace=whitespace) for _ in range(6)]
+        for text, reason in generate(engine, outputs):
+            assert reason == "stop"
+            jsonschema.validate(json.loads(text), PERSON)
+            outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+            assert all(allowed.fullmatch(gap) for gap in re.findall(r"\s+", outside_strings)), text
 
 
 def test_beam_search_and_min_tokens_are_refused_with_a_grammar(engine: Engine) -> None:

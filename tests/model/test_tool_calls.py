@@ -1,6 +1,7 @@
 """loading/tool_calls.py: the format a chat template asks for, the parser of calls in a reply
-(whole, and streamed in pieces cut anywhere), and the grammar that forces a call: every reply it
-allows parses into calls of the given tools with arguments that match their parameters."""
+(whole, and streamed in pieces cut anywhere; a call of a function not offered is content), and the
+grammar that forces a call: every reply it allows parses into calls of the given tools with
+arguments that match their parameters, their own $defs and root references included."""
 
 import json
 
@@ -21,10 +22,12 @@ HERMES_REPLY = (
     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 )
 CALLS = [ParsedCall("get_weather", '{"city": "Köln"}'), ParsedCall("get_time", "{}")]
+DECLARED = frozenset({"get_weather", "get_time"})
+JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": " ?"}
 
 
-def parse_in_pieces(format: str, reply: str, size: int) -> tuple[str, list[ParsedCall]]:
-    parser = ToolCallParser(format)  # type: ignore[arg-type]
+def parse_in_pieces(format: str, reply: str, size: int, declared: frozenset[str] = DECLARED) -> tuple[str, list[ParsedCall]]:
+    parser = ToolCallParser(format, declared)  # type: ignore[arg-type]
     content, calls = "", []
     for start in range(0, len(reply), size):
         text, found = parser.feed(reply[start : start + size])
@@ -56,6 +59,21 @@ def test_llama3_json_replies_are_calls_and_other_replies_content() -> None:
     assert parse_in_pieces("llama3_json", "{not json", 3) == ("{not json", [])
 
 
+def test_a_call_of_a_function_not_offered_is_content_never_a_call() -> None:
+    """An agent runs the calls it gets: a reply that writes a call of an undeclared tool (a prompt
+    injection asking for it) gives it back as text."""
+    injected = '<tool_call>\n{"name": "delete_all_files", "arguments": {"path": "/"}}\n</tool_call>'
+    for size in (1, 5, 1000):
+        assert parse_in_pieces("hermes", HERMES_REPLY + "\n" + injected, size) == ("Let me look.\n" + injected, CALLS)
+    assert parse_in_pieces("hermes", HERMES_REPLY, 3, frozenset({"get_time"})) == (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>\n',
+        [ParsedCall("get_time", "{}")],
+    )
+    reply = '{"name": "delete_all_files", "parameters": {"path": "/"}}'
+    assert parse_in_pieces("llama3_json", reply, 4) == (reply, [])
+    assert parse_in_pieces("llama3_json", reply + '; {"name": "get_time", "parameters": {}}', 4)[1] == []
+
+
 def test_the_format_is_read_from_the_template() -> None:
     assert tool_call_format("{% for t in tools %}<tool_call>{% endfor %}") == "hermes"
     assert tool_call_format('{% if tools %}{"name": function name, "parameters": dictionary{% endif %}') == "llama3_json"
@@ -84,7 +102,7 @@ def test_the_forced_grammar_allows_only_calls_of_the_tools_with_valid_arguments(
     """Random walks through the grammar's allowed bytes end in replies the parser reads as calls
     of the given tools whose arguments validate against their parameters."""
     tokenizer = byte_tokenizer()
-    grammar = forced_call_grammar(format, [WEATHER, TIME], parallel)  # type: ignore[arg-type]
+    grammar = forced_call_grammar(format, [WEATHER, TIME], parallel, JSON_OPTIONS)  # type: ignore[arg-type]
     assert llguidance.LLMatcher.validate_grammar(grammar, tokenizer) == ""
     schemas = {WEATHER.name: WEATHER.parameters, TIME.name: TIME.parameters}
     for walk in range(20):
@@ -107,12 +125,43 @@ def test_the_forced_grammar_allows_only_calls_of_the_tools_with_valid_arguments(
 
 
 def test_parallel_calls_follow_one_another() -> None:
-    matcher = llguidance.LLMatcher(byte_tokenizer(), forced_call_grammar("hermes", [WEATHER, TIME], parallel=True), log_level=0)
+    matcher = llguidance.LLMatcher(byte_tokenizer(), forced_call_grammar("hermes", [WEATHER, TIME], True, JSON_OPTIONS), log_level=0)
     calls = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     assert matcher.consume_tokens(list((calls + "\n" + calls).encode())) and matcher.is_accepting()
 
 
 def test_a_named_tools_schema_holds_that_tool_alone() -> None:
-    grammar = forced_call_grammar("hermes", [TIME], parallel=False)
+    grammar = forced_call_grammar("hermes", [TIME], False, JSON_OPTIONS)
     matcher = llguidance.LLMatcher(byte_tokenizer(), grammar, log_level=0)
     assert not matcher.consume_tokens(list(b'<tool_call>\n{"name":"get_weather"'))
+
+
+def accepts(grammar: str, reply: str) -> bool:
+    matcher = llguidance.LLMatcher(byte_tokenizer(), grammar, log_level=0)
+    return matcher.consume_tokens(list(reply.encode())) and matcher.is_accepting()
+
+
+def test_references_in_a_tools_parameters_resolve_inside_the_forced_call() -> None:
+    """Pydantic writes "#/$defs/..." references, and a recursive schema "#": both relative to the
+    parameters, which the forced call's grammar places inside its own schema."""
+    unit = {"enum": ["celsius", "fahrenheit"]}
+    pydantic_style = FunctionTool(
+        "get_weather",
+        None,
+        {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"], "$defs": {"Unit": unit}},
+    )
+    tree = FunctionTool("plant", None, {"type": "object", "properties": {"child": {"$ref": "#"}}, "additionalProperties": False})
+    grammar = forced_call_grammar("hermes", [pydantic_style, tree], False, JSON_OPTIONS)
+    assert llguidance.LLMatcher.validate_grammar(grammar, byte_tokenizer()) == ""
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+    assert accepts(grammar, call.format("get_weather", '{"unit": "celsius"}'))
+    assert not accepts(grammar, call.format("get_weather", '{"unit": "kelvin"}'))
+    assert accepts(grammar, call.format("plant", '{"child": {"child": {}}}'))
+    assert not accepts(grammar, call.format("plant", '{"child": {"leaf": 1}}'))
+
+
+def test_the_calls_json_takes_the_whitespace_it_is_given() -> None:
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert accepts(forced_call_grammar("hermes", [TIME], False, JSON_OPTIONS), call)
+    assert not accepts(forced_call_grammar("hermes", [TIME], False, JSON_OPTIONS), call.replace(": ", ":   "))
+    assert not accepts(forced_call_grammar("hermes", [TIME], False, {"whitespace_flexible": False}), call)

@@ -131,6 +131,46 @@ def test_every_output_under_a_json_schema_validates_streamed_or_not(client: open
         assert (objects.choices[0].message.content or "").startswith("{")
 
 
+class City(BaseModel):  # no extra="forbid": pydantic's schema says nothing of other properties
+    name: str = Field(max_length=10)
+    country: str = Field(max_length=10)
+    population: int = Field(ge=0, lt=10**9)
+
+
+def test_strict_json_schema_gives_the_listed_properties_and_ends(client: openai.OpenAI) -> None:
+    """parse() sends strict: true. The model may not invent properties (what made a real small model
+    run to max_tokens) nor skip one: the answer ends after the listed ones, in their order."""
+    for temperature in (0.0, 1.0):
+        completion = client.chat.completions.parse(
+            model="qwen-tools", messages=QUESTION, response_format=City, max_tokens=100, temperature=temperature, seed=7
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City)
+        assert list(json.loads(choice.message.content or "")) == ["name", "country", "population"]
+
+
+def test_a_forced_call_with_pydantic_style_references_in_its_parameters(client: openai.OpenAI) -> None:
+    class Unit(BaseModel):
+        scale: Literal["celsius", "fahrenheit"]
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=10)
+        unit: Unit
+
+    parameters = Weather.model_json_schema()  # {"$defs": {"Unit": ...}, "properties": {"unit": {"$ref": "#/$defs/Unit"}}, ...}
+    assert "$defs" in parameters
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters, "strict": True}}]
+    answer = client.chat.completions.create(
+        model="qwen-tools", messages=QUESTION, tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=200, seed=2
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    Weather.model_validate_json(call.function.arguments)
+    assert set(json.loads(call.function.arguments)) == {"city", "unit"}
+
+
 def test_choices_and_regexes_on_completions_and_chat(client: openai.OpenAI) -> None:
     choice = {"structured_outputs": {"choice": ["Verona", "Mantua", "Padua"]}}
     completion = client.completions.create(model="qwen-tools", prompt="Where?", max_tokens=10, n=3, seed=2, extra_body=choice)
@@ -227,6 +267,15 @@ def test_the_tools_are_rendered_by_the_models_template_as_transformers_renders_t
         ({"model": "qwen-tools", "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "regex"),
         ({"model": "qwen-tools", "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice", "fly"),
         ({"model": "llama-tiny", "tools": TOOLS}, "tools", "chat template does not render tools"),
+        ({"model": "llama-tiny", "tools": TOOLS, "tool_choice": "none"}, "tools", "chat template does not render tools"),
+        ({"model": "qwen-tools", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+         "tools.0.function.parameters", "schema of an object"),
+        ({"model": "qwen-tools", "structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs.regex", "language is empty"),
+        ({"model": "qwen-tools", "structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs.json", "language is empty"),
+        ({"model": "qwen-tools", "structured_outputs": {"grammar": 'root ::= "a"' + "\n" * 70_000}}, "structured_outputs.grammar",
+         "at most 65,536 are compiled"),
+        ({"model": "qwen-tools", "structured_outputs": {"grammar": 'start: "a"{1000000000}'}}, "structured_outputs.grammar",
+         "Too many items"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_served_is_a_400_naming_the_field(served: Served, body: dict[str, Any], param: str, words: str) -> None:
