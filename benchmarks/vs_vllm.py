@@ -217,11 +217,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(system: str, folder: Path, port: int, vllm: Path, our_options: list[str]) -> tuple[list[str], dict[str, str], str]:
-    """The command that serves folder as MODEL on 127.0.0.1:port (ours with our_options added), its
+def server_command(
+    system: str, folder: Path, port: int, vllm: Path, our_options: list[str], vllm_options: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, str], str]:
+    """The command that serves folder as MODEL on 127.0.0.1:port (each with its options added), its
     environment, and the path that answers 200 once it is ready."""
     if system == "vllm":
-        command = [str(vllm), "serve", str(folder), "--dtype", "float32", "--served-model-name", MODEL]
+        command = [str(vllm), "serve", str(folder), "--dtype", "float32", "--served-model-name", MODEL, *vllm_options]
         command += ["--host", "127.0.0.1", "--port", str(port)]
         return command, {**os.environ, **VLLM_ENVIRONMENT}, "/health"
     command = [sys.executable, "-m", "service", "--model", f"{MODEL}={folder}", "--device", "cpu"]
@@ -230,11 +232,11 @@ def server_command(system: str, folder: Path, port: int, vllm: Path, our_options
 
 
 @contextlib.contextmanager
-def serving(system: str, folder: Path, vllm: Path, log: Path, our_options: list[str]) -> Iterator[str]:
+def serving(system: str, folder: Path, vllm: Path, log: Path, our_options: list[str], vllm_options: tuple[str, ...] = ()) -> Iterator[str]:
     """The system serving folder for the with-block: its base URL. The server runs in a process
     group of its own, stopped (SIGINT, then SIGKILL after STOP_TIMEOUT_S) however the block ends."""
     port = free_port()
-    command, environment, ready_path = server_command(system, folder, port, vllm, our_options)
+    command, environment, ready_path = server_command(system, folder, port, vllm, our_options, vllm_options)
     url = f"http://127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as output:
