@@ -143,6 +143,8 @@ class Engine:
                 raise InvalidRequestError("a structured output is generated token by token: it cannot take beam search", "beam_size")
             if params.min_tokens:
                 raise InvalidRequestError("min_tokens cannot hold back the end of a structured output", "min_tokens")
+            if params.ignore_eos:
+                raise InvalidRequestError("ignore_eos cannot run past the end of a structured output", "ignore_eos")
         return replace(params, max_tokens=max_tokens)
 
     def add_request(self, request: Request) -> None:
@@ -307,7 +309,7 @@ class Engine:
     def _ending(self, r: Request, stop_string: bool) -> FinishReason | None:
         """Why the request ends after its newest tokens, if it does: a stop string, a grammar that
         is complete (only an eos could follow: it is not waited for), its token limit."""
-        if stop_string or (r.grammar is not None and r.grammar.is_stopped() and not r.grammar.is_error() and not r.params.ignore_eos):
+        if stop_string or (r.grammar is not None and r.grammar.is_stopped() and not r.grammar.is_error()):
             return "stop"
         return "length" if len(r.output_ids) >= r.max_tokens else None
 

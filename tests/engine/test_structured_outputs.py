@@ -324,9 +324,11 @@ def test_json_whitespace_is_bounded_and_can_be_taken_away(engine: Engine) -> Non
             assert all(allowed.fullmatch(gap) for gap in re.findall(r"\s+", outside_strings)), text
 
 
-def test_beam_search_and_min_tokens_are_refused_with_a_grammar(engine: Engine) -> None:
+def test_beam_search_min_tokens_and_ignore_eos_are_refused_with_a_grammar(engine: Engine) -> None:
     output = StructuredOutput("choice", '["a"]')
     with pytest.raises(InvalidRequestError, match="beam"):
         engine.resolve([5], GenerationParams(max_tokens=4, beam_size=2, structured=output))
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         engine.resolve([5], GenerationParams(max_tokens=4, min_tokens=2, structured=output))
+    with pytest.raises(InvalidRequestError, match="ignore_eos"):
+        engine.resolve([5], GenerationParams(max_tokens=4, ignore_eos=True, structured=output))
