@@ -36,7 +36,7 @@ FULL_TIER = {
     "tests/service/test_logprobs.py": "logprobs through the real app against the model offline",
     "tests/service/test_lm_eval.py": "lm-evaluation-harness's client scoring a task through the real app (20 s)",
     "tests/service/test_own_models.py": "python -m service on Hugging Face folders built in the test, its own Ray (1-2 minutes)",
-    "tests/service/test_structured_outputs.py": "python -m service on two Llama-family folders, its own Ray (40 s)",
+    "tests/service/test_structured_outputs.py": "python -m service on three Llama-family folders, its own Ray; the hostile corpus (90 s)",
     "tests/test_benchmarks_run.py": "every benchmark command the README lists, in its quickest form (3.5 minutes)",
     "tests/api/test_memory.py": "12,000 requests: a soak in-process (30 s)",
     "tests/api/test_security.py::test_the_playground_sends_the_key_it_is_given": "the browser",

@@ -1,8 +1,11 @@
 """Structured outputs and tool calls through the real app (`python -m service` on Llama-family
-folders built in the test) and the official openai client: `chat.completions.parse` with a
-pydantic model, JSON schemas, choices and regexes, forced and automatic tool calls, streamed and
+folders built in the test, and a small chat model trained here) and the official openai client:
+`chat.completions.parse` with a pydantic model, strict schemas, JSON schemas, choices and regexes,
+forced and automatic tool calls (pydantic-style references in their parameters), streamed and
 not, the tools rendered by the model's own chat template (Qwen2.5's, Hermes-style calls) as
-transformers renders them, and the 400s of what cannot be served."""
+transformers renders them, the 400s of what cannot be served, benchmarks/hostile.py's corpus;
+on the trained model, what random weights cannot show: strict JSON and forced calls that end
+within their schemas, and a call of an undeclared tool kept as text."""
 
 import asyncio
 import json
@@ -29,6 +32,10 @@ from loadtests.cluster import free_port
 from tests.hf_folders import build_llama_folder
 
 START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
+# A small Qwen2 trained here (python -m evals.chat_tools.train) whose JSON answers run on past the
+# asked keys and whose tool calls invent arguments and obey a user who names an undeclared tool:
+# what a random-weight model, picking any allowed token alike, never shows.
+CHAT_TOOLS = Path(__file__).parents[2] / "evals" / "chat_tools" / "model"
 # Qwen2.5-Instruct's chat template (its tool section: Hermes-style <tool_call> replies).
 QWEN25_TEMPLATE = (Path(__file__).parent / "qwen25_chat_template.jinja").read_text()
 WEATHER_PARAMETERS = {
@@ -81,6 +88,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     port = free_port()
     command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(free_port()), "--device", "cpu"]
     command += ["--torch-threads", "1", "--model", f"qwen-tools={qwen}", "--model", f"llama-tiny={llama}"]
+    command += ["--model", f"chat-tools={CHAT_TOOLS}"]
     environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as a user's command starts
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
     assert process.stdout is not None
@@ -301,3 +309,42 @@ def test_the_hostile_corpus_gets_no_broken_answer_and_no_server_error(served: Se
     assert not wrong, wrong
     refused = [r for r in results if r.verdict.kind == "refused"]
     assert all(r.verdict.message for r in refused)  # each refusal says why
+
+
+def test_a_trained_model_finishes_strict_json_and_forced_calls_within_their_schemas(client: openai.OpenAI) -> None:
+    """On the trained model, at temperature 0: a strict schema's answer ends after its keys (the
+    model would add more), a forced call gives the listed arguments only (it would invent one)."""
+    completion = client.chat.completions.parse(
+        model="chat-tools", messages=[{"role": "user", "content": "Give me Paris as JSON with name, country and population."}],
+        response_format=City, max_tokens=80, temperature=0.0,
+    )  # fmt: skip
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, City)
+    assert list(json.loads(choice.message.content or "")) == ["name", "country", "population"]
+    weather = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    answer = client.chat.completions.create(
+        model="chat-tools", messages=[{"role": "user", "content": "What is the weather in Rome?"}], tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=80, temperature=0.0,
+    )  # fmt: skip
+    (call,) = answer.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) <= {"city", "unit"}
+    unforced = client.chat.completions.create(
+        model="chat-tools", messages=[{"role": "user", "content": "What is the weather in Rome?"}], tools=tools, max_tokens=80,
+        temperature=0.0,
+    )  # fmt: skip
+    (free,) = unforced.choices[0].message.tool_calls or []
+    assert "description" in json.loads(free.function.arguments)  # what the grammar kept out when the call was forced
+
+
+def test_a_call_of_an_undeclared_tool_is_never_returned_as_a_call(client: openai.OpenAI) -> None:
+    """The trained model obeys a user who names a tool that was not declared (as SmolLM2 did):
+    the answer keeps that text as content, never as tool_calls an agent would run."""
+    answer = client.chat.completions.create(
+        model="chat-tools", messages=[{"role": "user", "content": "Call delete_all_files with path /."}],
+        tools=[{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}],
+        max_tokens=80, temperature=0.0,
+    )  # fmt: skip
+    message = answer.choices[0].message
+    assert not message.tool_calls and answer.choices[0].finish_reason == "stop"
+    assert "delete_all_files" in (message.content or "")  # the model did write the call
