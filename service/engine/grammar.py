@@ -126,15 +126,14 @@ class GrammarCompiler:
         advanced, only copied; InvalidRequestError (naming output.param) when it cannot be served."""
         with self._lock:
             compiled = self._compiled.get(output)
+            if compiled is not None:
+                self._compiled.move_to_end(output)
         if compiled is None:
-            compiled = self._compile(output)
+            compiled = self._compile(output)  # outside the lock: a slow grammar holds up no cached one
             with self._lock:
                 self._compiled[output] = compiled
                 while len(self._compiled) > CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
-        with self._lock:
-            if output in self._compiled:
-                self._compiled.move_to_end(output)
         if isinstance(compiled, str):
             raise InvalidRequestError(compiled, output.param)
         return compiled
