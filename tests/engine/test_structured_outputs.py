@@ -103,6 +103,17 @@ def test_a_stop_string_does_not_cut_a_structured_output(engine: Engine) -> None:
     assert "".join(d.text for d in deltas) == "O Romeo, wherefore art thou" and deltas[-1].finish_reason == "stop"
 
 
+def masked_argmax(model: torch.nn.Module, ids: list[int], matcher: llguidance.LLMatcher, vocab_size: int) -> int:
+    """The plain path's next token: the whole sequence through the model, the argmax among the
+    ids the grammar's own bitmask allows."""
+    logits = model(torch.tensor([ids]))[0, -1].float()  # (V,)
+    mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    allowed = np.unpackbits(mask, bitorder="little")[:vocab_size].astype(bool)
+    logits[:vocab_size][~torch.from_numpy(allowed)] = float("-inf")
+    logits[vocab_size:] = float("-inf")
+    return int(logits.argmax())
+
+
 def test_constrained_greedy_is_the_argmax_over_what_the_grammar_allows(engine: Engine) -> None:
     """The plain path: the whole sequence through the model at every step, the grammar's mask from
     llguidance's own bitmask, the argmax; the engine (paged KV, ragged steps, masks computed beside
@@ -115,12 +126,7 @@ def test_constrained_greedy_is_the_argmax_over_what_the_grammar_allows(engine: E
     generated: list[int] = []
     with torch.inference_mode():
         for _ in range(BOUNDED):
-            logits = model(torch.tensor([ids + generated]))[0, -1].float()  # (V,)
-            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-            allowed = np.unpackbits(mask, bitorder="little")[: tokenizer.vocab_size].astype(bool)
-            logits[: tokenizer.vocab_size][~torch.from_numpy(allowed)] = float("-inf")
-            logits[tokenizer.vocab_size :] = float("-inf")
-            token = int(logits.argmax())
+            token = masked_argmax(model, ids + generated, matcher, tokenizer.vocab_size)
             assert matcher.consume_token(token)
             if token in engine.runner.eos_ids:
                 break
@@ -144,12 +150,7 @@ def test_fast_forward_appends_the_forced_tokens_and_computes_what_the_plain_path
     generated: list[int] = []
     with torch.inference_mode():
         while not matcher.is_stopped():
-            logits = model(torch.tensor([prompt + generated]))[0, -1].float()  # (V,)
-            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-            allowed = np.unpackbits(mask, bitorder="little")[: tokenizer.vocab_size].astype(bool)
-            logits[: tokenizer.vocab_size][~torch.from_numpy(allowed)] = float("-inf")
-            logits[tokenizer.vocab_size :] = float("-inf")
-            token = int(logits.argmax())
+            token = masked_argmax(model, prompt + generated, matcher, tokenizer.vocab_size)
             assert matcher.consume_token(token) and token not in engine.runner.eos_ids
             forced = matcher.compute_ff_tokens()
             assert matcher.consume_tokens(forced)
