@@ -448,6 +448,89 @@ def generator_validation_plays() -> str:
     return table(header, rows) + f"\n\nSpearman of the halves' rankings: {spearman}. Shipped: {shipped['what']}."
 
 
+def training_speed() -> str:
+    """docs/training.md: seconds per training step of the generator at 1 and 2 threads, float32 and bf16 autocast."""
+    data = result("training_speed")
+    rows = [
+        [
+            str(r["threads"]),
+            "bf16 autocast" if r["bf16_autocast"] else "float32",
+            f"{r['seconds_per_step']:.2f}",
+            num(r["target_tokens_per_s"]),
+            two(r["speedup_vs_1_thread_float32"]),
+        ]
+        for r in data["settings"]
+    ]
+    header = ["threads", "arithmetic", "s/step", "tokens/s", "x 1 thread float32"]
+    run = f"`python -m benchmarks.training_speed --json benchmarks/results/training_speed.json`, commit `{data['commit']}`"
+    return table(header, rows) + f"\n\nThe {data['model']}'s preset, {data['batch_size']} windows a step, on {data['machine']} ({run})."
+
+
+def translator_bleu() -> str:
+    """docs/training.md: the shipped translator's test_2016 BLEU as reported (cased, detokenized) and lowercased (13a)."""
+    rows = []
+    for name in ("greedy", "beam4"):
+        data = result(f"translator_bleu_{name}")
+        rows.append(
+            [
+                f"beam {data['beam_size']}" if data["beam_size"] > 1 else "greedy",
+                two(data["bleu"]),
+                two(data["bleu_lowercase"]),
+                f"`{data['command']}`",
+            ]
+        )
+    signatures = f"`{data['signature']}` and `{data['signature_lowercase']}`"
+    return table(["test_2016_flickr", "sacreBLEU, cased", "sacreBLEU, lowercased", "command"], rows) + f"\n\nSignatures: {signatures}."
+
+
+# The checkpoints of issue 57's comparison, as `training.evaluate generator-validation` names them.
+GENERATORS_57 = {
+    "runs/first-generator": ("first checkpoint (0ed1488)", "half A (the first 90% of train.txt)"),
+    "runs/shipped-generator": ("shipped before (327c95a, continued training)", "half A (the first 90% of train.txt)"),
+    "runs/gen57/best": ("new (issue 57)", "the tail's first 62,665 characters (the six training plays)"),
+}
+
+
+def generator_training() -> str:
+    """docs/training.md: issue 57's generator against the first and the shipped one on the whole-play
+    validation and the last 10% of train.txt, then its validation curve."""
+    data = result("generator_training")
+    rows = [
+        [
+            GENERATORS_57[r["checkpoint"]][0],
+            f"{r['A']:.4f}",
+            f"{r['B']:.4f}",
+            f"{r['all']:.4f}",
+            f"{r['also']:.4f}",
+            GENERATORS_57[r["checkpoint"]][1],
+        ]
+        for r in data["checkpoints"]
+    ]
+    header = [
+        "generator (nats/char)",
+        "half A: Richard II",
+        "half B: the Shrew's start",
+        "both plays",
+        "last 10% of train.txt",
+        "trained on",
+    ]
+    by_name = {r["checkpoint"]: r for r in data["checkpoints"]}
+    new, shipped = by_name["runs/gen57/best"], by_name["runs/shipped-generator"]
+    verdict = "better" if new["B"] < shipped["B"] else "not better"
+    run = result("generator_training_run")
+    curve = [
+        [num(h["step"]), f"{h['minutes']:.1f}", f"{h['loss']:.3f}", f"{h['val_A']:.4f}", f"{h['val_B']:.4f}", f"{h['val']:.4f}"]
+        for h in run["validation_history"]
+    ]
+    return (
+        table(header, rows)
+        + f"\n\nOn half B the new generator is {verdict} than the one shipped before ({new['B']:.4f} against {shipped['B']:.4f})."
+        + f" Measured by `{data['command']}`.\n\nIts validation curve (`{run['command']}`; {run['torch_threads']} threads,"
+        + f" bf16 autocast {'on' if run['bf16_autocast'] else 'off'}, {run['parameters']:,} parameters):\n\n"
+        + table(["step", "training minutes", "training loss", "half A", "half B", "both plays"], curve)
+    )
+
+
 def figure(value: float | None, digits: int = 0) -> str:
     """A measured figure, '-' when there is none (nothing completed, or the system did not run)."""
     return "-" if value is None else num(value, digits)
@@ -503,6 +586,9 @@ REPORTS: dict[str, Callable[[], str]] = {
     "scores": scores,
     "generator-validation": generator_validation,
     "generator-validation-plays": generator_validation_plays,
+    "generator-training": generator_training,
+    "translator-bleu": translator_bleu,
+    "training-speed": training_speed,
 }
 
 

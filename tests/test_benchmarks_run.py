@@ -172,5 +172,29 @@ def test_translator_parts_quick_turns_each_part_off_and_translates_the_same() ->
             assert figures[f"{work}_{part}_speedup"] > 0 and figures[f"{work}_{part}_same"] >= 0.9
 
 
+@pytest.mark.parametrize("model", ["generator", "translator"])
+def test_training_speed_quick_times_every_setting(model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = printed_json(
+        run(
+            "benchmarks.training_speed",
+            "--model",
+            model,
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--json",
+            str(tmp_path / "training_speed.json"),
+        )
+    )
+    assert json.loads((tmp_path / "training_speed.json").read_text()) == figures
+    assert [(r["threads"], r["bf16_autocast"]) for r in figures["settings"]] == [(1, False), (1, True), (2, False), (2, True)]
+    baseline = figures["settings"][0]["seconds_per_step"]
+    for row in figures["settings"]:
+        assert row["seconds_per_step"] > 0 and row["target_tokens_per_s"] > 0
+        assert row["speedup_vs_1_thread_float32"] == pytest.approx(baseline / row["seconds_per_step"], rel=0.05)
+    rendered(monkeypatch, tmp_path, "training-speed")
+
+
 def test_report_check_finds_every_page_up_to_date() -> None:
     assert run("benchmarks.report", "--check").stdout == ""

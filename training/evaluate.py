@@ -1,13 +1,15 @@
 """Evaluation CLI. The last line printed is one JSON object.
 
-python -m training.evaluate translate --src FILE --ref FILE [--checkpoint DIR] [--beam-size N] [--weights int8]
+python -m training.evaluate translate --src FILE --ref FILE [--checkpoint DIR] [--beam-size N] [--weights int8] [--json FILE]
+    (sacreBLEU as reported, cased and detokenized with 13a, and lowercased with 13a as Multi30k papers report it)
 python -m training.evaluate lm --text FILE [--checkpoint DIR] [--weights int8]
-python -m training.evaluate generator-validation [--data DIR] [--json FILE] CHECKPOINT_OR_RUN...
+python -m training.evaluate generator-validation [--data DIR] [--also FILE] [--json FILE] CHECKPOINT_OR_RUN...
 python -m training.evaluate generator-snapshots [--json FILE] RUN
 
 generator-validation scores checkpoint folders (a run folder stands for its step-NNNNNN snapshots)
 in nats per character on halves A and B of training.data.shakespeare_split's held-out plays (one play
-each), and on both; with several checkpoints, the Spearman correlation of their A and B scores.
+each), and on both (and with --also on a text of your own, e.g. the last 10% of train.txt); with several
+checkpoints, the Spearman correlation of their A and B scores.
 generator-snapshots reads the A and B scores a training run recorded at each validation (from its
 newest snapshot's training.json) and gives their Spearman correlation, scoring nothing again.
 """
@@ -45,11 +47,13 @@ def evaluate_translation(args: argparse.Namespace) -> dict[str, object]:
     seconds = time.perf_counter() - started
     if args.output:
         Path(args.output).write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
-    bleu = BLEU()
-    score = bleu.corpus_score(hypotheses, [references])
+    bleu, lowercase = BLEU(), BLEU(lowercase=True, tokenize="13a")
+    score, lowercase_score = bleu.corpus_score(hypotheses, [references]), lowercase.corpus_score(hypotheses, [references])
     return {
         "bleu": round(score.score, 2),
         "signature": str(bleu.get_signature()),
+        "bleu_lowercase": round(lowercase_score.score, 2),
+        "signature_lowercase": str(lowercase.get_signature()),
         "sentences": len(sources),
         "seconds": round(seconds, 2),
         "beam_size": args.beam_size,
@@ -104,15 +108,19 @@ def evaluate_generator_validation(args: argparse.Namespace) -> dict[str, object]
     text = (Path(args.data) / "tinyshakespeare" / "train.txt").read_text(encoding="utf-8")
     split = shakespeare_split(text)
     halves = {name: [text[b:e] for b, e in split.half(name)] for name in ("A", "B")}
+    also = Path(args.also).read_text(encoding="utf-8") if args.also else None
     rows: list[dict[str, Any]] = []
     for folder in checkpoint_folders([Path(p) for p in args.checkpoints]):
         model, tokenizer = load_native_checkpoint(folder, args.device)
         assert isinstance(model, Generator), f"{folder} is not a generator"
         scores = halves_nats_per_char(model, tokenizer, halves, torch.device(args.device))
+        if also is not None:
+            scores["also"] = nats_per_char(model, tokenizer, also, torch.device(args.device))["nats_per_char"]
         rows.append({"checkpoint": str(folder), **{name: round(value, 4) for name, value in scores.items()}})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     rho = spearman([r["A"] for r in rows], [r["B"] for r in rows]) if len(rows) >= 2 else None
-    return {"checkpoints": rows, "spearman_A_B": rho, "validation": split.describe()["rule"]}
+    result: dict[str, object] = {"checkpoints": rows, "spearman_A_B": rho, "validation": split.describe()["rule"]}
+    return {**result, "also": args.also} if args.also else result
 
 
 def evaluate_generator_snapshots(args: argparse.Namespace) -> dict[str, object]:
@@ -145,11 +153,12 @@ def main() -> None:
     validation = commands.add_parser("generator-validation", help="generators on the two halves of the held-out plays")
     validation.add_argument("checkpoints", nargs="+", help="checkpoint folders, or run folders (their step-NNNNNN snapshots)")
     validation.add_argument("--data", default=str(SHARED_DATA), help="folder holding tinyshakespeare/train.txt")
+    validation.add_argument("--also", default=None, help='a text file each checkpoint is also scored on (as `lm` scores it), as "also"')
     snapshots = commands.add_parser("generator-snapshots", help="Spearman of halves A and B over a run's recorded validations")
     snapshots.add_argument("run", help="a generator run folder with step-NNNNNN snapshots")
     for sub in (translate, lm, validation):
         sub.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    for sub in (validation, snapshots):
+    for sub in (translate, validation, snapshots):
         sub.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args()
     handlers = {

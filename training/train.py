@@ -5,7 +5,12 @@
     python -m training.train translator --init-from model/checkpoints/translator-en-de --out runs/translator-2 \
         --lr 3e-4 --warmup 100 --schedule warmup-constant-linear --decay-start 0.35 --max-steps 3000
 
-Resumes from <out>/state.pt when it exists; keeps the best checkpoint by validation score in
+Saves the whole training state to <out>/state.pt every --save-every steps, at each validation and on
+SIGTERM or SIGINT (the step under way finishes first): weights, optimizer, schedule, step, the random
+number generators and the validation history. Batches are a function of --seed and the step, so
+`python -m training.train --resume RUN_DIR` continues bit for bit with the run's own command line
+(only --minutes, --threads and --progress-seconds may be given again, and replace the run's). The same
+command run again on an <out> holding a state.pt also resumes. Keeps the best checkpoint by validation score in
 <out>/best (BLEU for the translator, nats per character for the generator), and with
 --keep-snapshots N the last N validated steps as <out>/step-NNNNNN (for training.average).
 --init-from starts from a checkpoint folder's config, weights and tokenizer with a fresh optimizer;
@@ -24,15 +29,18 @@ over the --minutes budget (wall time, validation included, summed over resumes) 
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import shlex
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import sacrebleu
@@ -138,8 +146,8 @@ def initial_model(
     args: argparse.Namespace, config_type: type[ModelConfig], train_tokenizer: Callable[[], Tokenizer], **fields: Any
 ) -> tuple[Model, Tokenizer]:
     """The model and tokenizer to train: the --init-from folder's (its config.json, float32 weights,
-    tokenizer), or a new tokenizer and a freshly initialised preset model with `fields` replaced.
-    Seeds torch with --seed."""
+    tokenizer), or a freshly initialised preset model with `fields` replaced and a new tokenizer
+    (for a run being resumed, the one it saved in <out>/tokenizer.model). Seeds torch with --seed."""
     if args.init_from:
         model, tokenizer = load_native_checkpoint(Path(args.init_from))
         if not isinstance(model.config, config_type):
@@ -149,7 +157,8 @@ def initial_model(
                 raise SystemExit(f"--init-from {args.init_from} has {name} {getattr(model.config, name)!r}, not {value!r}")
         torch.manual_seed(args.seed)
         return model, tokenizer
-    tokenizer = train_tokenizer()
+    saved = Path(args.out) / "tokenizer.model"  # a resumed run keeps the tokenizer it started with
+    tokenizer = Tokenizer.load(saved) if saved.exists() and (Path(args.out) / "state.pt").exists() else train_tokenizer()
     config = dataclasses.replace(config_type.preset(args.preset), **fields)
     if args.dropout is not None:
         config = dataclasses.replace(config, dropout=args.dropout)
@@ -196,11 +205,14 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         # The SHA-256 of the --init-from weights ("" for none): a resume must start from the same folder.
         self.init_from_sha256 = file_sha256(Path(args.init_from) / "model.safetensors") if args.init_from else ""
+        self.tokenizer_sha256 = hashlib.sha256(tokenizer.model_proto).hexdigest()
         state_path = self.out / "state.pt"
         if state_path.exists():
             state = torch.load(state_path, map_location=self.device, weights_only=True)
             if state.get("init_from_sha256", "") != self.init_from_sha256:
                 raise SystemExit(f"{state_path} was trained from other --init-from weights (or none); pass the run's own --init-from")
+            if state.get("tokenizer_sha256", self.tokenizer_sha256) != self.tokenizer_sha256:
+                raise SystemExit(f"{state_path} was trained with another tokenizer than {self.out / 'tokenizer.model'}")
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -208,9 +220,14 @@ class Trainer:
             self.wall = float(state.get("wall", self.elapsed))
             self.best = state["best"]
             self.history = json.loads(state["history"])
+            torch.set_rng_state(state["rng"])
+            if "cuda_rng" in state:
+                torch.cuda.set_rng_state_all(state["cuda_rng"])
             print(f"resumed from {state_path} at step {self.step}", flush=True)
+        self.stop_signal: int | None = None  # set by SIGTERM / SIGINT while run() runs
 
     def save_state(self) -> None:
+        """Everything a resume needs to continue bit for bit, written atomically to <out>/state.pt."""
         self.out.mkdir(parents=True, exist_ok=True)
         state = {
             "model": self.model.state_dict(),
@@ -222,7 +239,14 @@ class Trainer:
             "best": self.best,
             "history": json.dumps(self.history),
             "init_from_sha256": self.init_from_sha256,
+            "argv": json.dumps(self.args.argv),
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "rng": torch.get_rng_state(),
         }
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state_all()
+        if not (self.out / "tokenizer.model").exists():
+            self.tokenizer.save(self.out / "tokenizer.model")
         torch.save(state, self.out / "state.tmp")
         (self.out / "state.tmp").replace(self.out / "state.pt")
 
@@ -240,17 +264,49 @@ class Trainer:
         higher_is_better: bool,
         training_info: Callable[[], dict[str, Any]],
     ) -> None:
-        """Steps until --max-steps, the --minutes deadline (for cosine-minutes: of all runs together) or
-        --patience validations without improvement. validate() returns the score as "val", and more
-        figures for the history."""
+        """Steps until --max-steps, the --minutes deadline (for cosine-minutes: of all runs together),
+        --patience validations without improvement, or SIGTERM / SIGINT (then the state is saved).
+        validate() returns the score as "val", and more figures for the history."""
+        previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.steps(next_batch, loss_of, validate, higher_is_better, training_info)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if self.stop_signal is not None:
+            self.save_state()
+            print(
+                f"\nstopped by {signal.Signals(self.stop_signal).name} at step {self.step}; state saved to {self.out / 'state.pt'}",
+                flush=True,
+            )
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        """Signal handler: stop after the step under way (run() then saves the state)."""
+        self.stop_signal = signum
+
+    def steps(
+        self,
+        next_batch: Callable[[int], tuple[torch.Tensor, ...]],
+        loss_of: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, int]],
+        validate: Callable[[], dict[str, float]],
+        higher_is_better: bool,
+        training_info: Callable[[], dict[str, Any]],
+    ) -> None:
+        """run()'s loop, until a limit or a stop signal."""
         args = self.args
         deadline = time.monotonic() + args.minutes * 60 - (self.wall if args.schedule == "cosine-minutes" else 0)
+        bf16 = self.device.type == "cuda" or args.bf16
         self.model.train()
         bar = tqdm(total=args.max_steps, initial=self.step, mininterval=args.progress_seconds, file=sys.stdout)
-        while self.step < args.max_steps and time.monotonic() < deadline and not self.out_of_patience(higher_is_better):
+        while (
+            self.stop_signal is None
+            and self.step < args.max_steps
+            and time.monotonic() < deadline
+            and not self.out_of_patience(higher_is_better)
+        ):
             started = time.monotonic()
             batch = tuple(t.to(self.device) for t in next_batch(self.step))
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss, n_tokens = loss_of(batch)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -278,6 +334,8 @@ class Trainer:
                 self.save_state()
             else:
                 self.wall += time.monotonic() - started
+                if self.step % args.save_every == 0:
+                    self.save_state()
         bar.close()
 
     def out_of_patience(self, higher_is_better: bool) -> bool:
@@ -311,6 +369,7 @@ def common_info(args: argparse.Namespace, trainer: Trainer, data_files: list[Pat
         "training_minutes": round(trainer.elapsed / 60, 1),
         "device": str(trainer.device),
         "torch_threads": torch.get_num_threads(),
+        "bf16_autocast": trainer.device.type == "cuda" or args.bf16,
         "parameters": count_parameters(trainer.model),
         "seed": args.seed,
         "schedule": schedule_info(args),
@@ -406,10 +465,30 @@ def generator_job(args: argparse.Namespace) -> Job:
     return Job(trainer, next_batch, loss_of, validate, False, info)
 
 
+RESUME_OVERRIDES = ("--minutes", "--threads", "--progress-seconds")
+
+
+def resumed_argv(rest: list[str]) -> list[str]:
+    """The command line of the run in rest[0] (from its state.pt), with the RESUME_OVERRIDES in rest[1:] appended."""
+    if not rest:
+        raise SystemExit("--resume needs the run folder: python -m training.train --resume RUN_DIR")
+    state_path = Path(rest[0]) / "state.pt"
+    if not state_path.exists():
+        raise SystemExit(f"--resume {rest[0]}: no {state_path}")
+    overrides = rest[1:]
+    for flag in overrides[0::2]:
+        if flag.split("=")[0] not in RESUME_OVERRIDES:
+            raise SystemExit(f"--resume continues the run's own command; only {', '.join(RESUME_OVERRIDES)} may be given again, not {flag}")
+    state = torch.load(state_path, map_location="cpu", weights_only=True)
+    return [*json.loads(state["argv"]), *overrides]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (sys.argv[1:] by default) with each model's defaults filled in; args.argv keeps it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", choices=["translator", "generator"])
+    parser.add_argument("--save-every", type=int, default=50, help="save the training state every N steps")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast on the CPU too (always on CUDA)")
     parser.add_argument("--data", default=str(SHARED_DATA), help="folder holding multi30k/ and tinyshakespeare/")
     parser.add_argument("--out", required=True, help="run folder: state.pt (resume) and best/ (checkpoint)")
     parser.add_argument("--init-from", default=None, help="checkpoint folder to continue from (config, weights, tokenizer)")
@@ -435,6 +514,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--progress-seconds", type=float, default=1.0, help="progress bar refresh interval")
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--resume"]:
+        argv = resumed_argv(argv[1:])
     args = parser.parse_args(argv)
     args.argv = argv
     if args.init_from and (args.preset or args.vocab_size or args.dropout is not None):

@@ -1,8 +1,10 @@
-"""Continued training (--init-from) and checkpoint averaging, on the shipped checkpoints and a few
-lines of made-up data (one training step on the CPU)."""
+"""Continued training (--init-from), resuming a stopped run, and checkpoint averaging, on the shipped
+checkpoints and a few lines of made-up data (a few training steps on the CPU)."""
 
 import gzip
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,8 @@ from safetensors.torch import load_file
 
 from decoding.translate import translate_sentences
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint, save_checkpoint
-from loading.tokenizer import PAD_ID
+from loading.tokenizer import PAD_ID, Tokenizer
+from model.config import GeneratorConfig
 from model.generator import Generator
 from model.translator import Translator
 from tests.made_up_plays import plays_text
@@ -91,6 +94,84 @@ def test_resume_continues_the_run_and_refuses_other_init_from_weights(data: Path
     save_checkpoint(tmp_path / "float32-copy", model, tokenizer, {})  # the same values, other bytes
     with pytest.raises(SystemExit, match="init-from"):
         continued_job("generator", tmp_path / "float32-copy", data, tmp_path / "run")
+
+
+def resumable_job(model: str, data: Path, out: Path) -> Job:
+    """20 steps from the shipped weights (dropout on), validated every 5 and saved every 3."""
+    shipped = DEFAULT_TRANSLATOR if model == "translator" else DEFAULT_GENERATOR
+    argv = [model, "--init-from", str(shipped), "--data", str(data), "--out", str(out), "--max-steps", "20", "--eval-every", "5"]
+    argv += ["--save-every", "3", "--schedule", "cosine", "--lr", "3e-4", "--warmup", "4"]
+    argv += ["--batch-tokens", "60"] if model == "translator" else ["--batch-size", "2"]
+    return (translator_job if model == "translator" else generator_job)(parse_args(argv))
+
+
+@pytest.mark.parametrize("model", ["translator", "generator"])
+def test_a_run_stopped_by_sigterm_and_resumed_equals_the_run_straight_through(model: str, data: Path, tmp_path: Path) -> None:
+    straight = resumable_job(model, data, tmp_path / "straight")
+    straight.run()
+    assert straight.trainer.step == 20
+    straight_rng = torch.get_rng_state()
+
+    stopped = resumable_job(model, data, tmp_path / "stopped")
+    loss_of = stopped.loss_of
+
+    def loss_with_a_sigterm_in_step_10(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
+        if stopped.trainer.step == 9:
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled by the trainer's handler
+        return loss_of(batch)
+
+    stopped.loss_of = loss_with_a_sigterm_in_step_10
+    stopped.run()
+    assert stopped.trainer.step == 10  # the step under way finished, then the run stopped
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is the caller's again
+
+    args = parse_args(["--resume", str(tmp_path / "stopped"), "--minutes", "30"])
+    assert args.max_steps == 20 and args.save_every == 3 and args.minutes == 30
+    resumed = (translator_job if model == "translator" else generator_job)(args)
+    assert resumed.trainer.step == 10
+    resumed.run()
+    assert resumed.trainer.step == 20
+
+    assert resumed.trainer.history == [
+        {**h, "minutes": resumed.trainer.history[i]["minutes"]} for i, h in enumerate(straight.trainer.history)
+    ]
+    assert [h["step"] for h in straight.trainer.history] == [5, 10, 15, 20]
+    for name, tensor in straight.trainer.model.state_dict().items():
+        assert torch.equal(resumed.trainer.model.state_dict()[name], tensor), name
+    straight_moments, resumed_moments = straight.trainer.optimizer.state_dict()["state"], resumed.trainer.optimizer.state_dict()["state"]
+    assert straight_moments.keys() == resumed_moments.keys()
+    for key, moments in straight_moments.items():
+        for name, value in moments.items():
+            assert torch.equal(resumed_moments[key][name], value), (key, name)
+    assert resumed.trainer.scheduler.get_last_lr() == straight.trainer.scheduler.get_last_lr()
+    assert torch.equal(torch.get_rng_state(), straight_rng)  # the dropout masks drew the same numbers
+
+
+def test_resume_takes_only_the_budget_flags_and_needs_a_saved_run(data: Path, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"no .*state\.pt"):
+        parse_args(["--resume", str(tmp_path / "nothing")])
+    job = resumable_job("generator", data, tmp_path / "run")
+    job.trainer.save_state()
+    with pytest.raises(SystemExit, match="only --minutes"):
+        parse_args(["--resume", str(tmp_path / "run"), "--lr", "1e-2"])
+    assert parse_args(["--resume", str(tmp_path / "run"), "--threads", "2"]).threads == 2
+
+
+def test_a_fresh_run_resumes_with_the_tokenizer_it_saved_and_refuses_another(data: Path, tmp_path: Path) -> None:
+    args = parse_args(["generator", "--data", str(data), "--out", str(tmp_path / "run")])
+    shipped_model, shipped_tokenizer = load_checkpoint(DEFAULT_GENERATOR)
+    trainer = train.Trainer(args, shipped_model, shipped_tokenizer)
+    trainer.save_state()
+    assert (tmp_path / "run" / "tokenizer.model").read_bytes() == shipped_tokenizer.model_proto
+
+    def no_training() -> Tokenizer:
+        raise AssertionError("a resumed run trains no tokenizer")
+
+    model, tokenizer = train.initial_model(args, GeneratorConfig, no_training)
+    assert tokenizer.model_proto == shipped_tokenizer.model_proto
+    _, translator_tokenizer = load_checkpoint(DEFAULT_TRANSLATOR)
+    with pytest.raises(SystemExit, match="another tokenizer"):
+        train.Trainer(args, model, translator_tokenizer)
 
 
 def test_init_from_refuses_the_other_architecture(data: Path, tmp_path: Path) -> None:
