@@ -29,8 +29,11 @@ def row_top_k(logits: Tensor, k: int, with_lse: bool = True, rows: Tensor | None
     read where they lie (no copy of the logits). Returns each row's k largest logits (R, k), best
     first, their ids (R, k) and, with_lse, each row's log-sum-exp (R,) (None otherwise). Of equal
     logits the kernel lists the lower id first (torch's top-k, where the kernel is off, in no set order)."""
+    if logits.dim() != 2:
+        raise ValueError(f"row_top_k: logits (N, V), not of shape {tuple(logits.shape)}")
     V = logits.shape[1]
-    assert 1 <= k <= V, f"k = {k} of {V} logits"
+    if not 1 <= k <= V:
+        raise ValueError(f"row_top_k: k = {k} of {V} logits")
     if not _applies(logits):
         chosen = logits if rows is None else logits.index_select(0, rows.to(logits.device))
         values, ids = chosen.topk(k, dim=-1)
@@ -38,8 +41,8 @@ def row_top_k(logits: Tensor, k: int, with_lse: bool = True, rows: Tensor | None
     logits = logits.contiguous()
     index = None if rows is None else rows.to(torch.int64).contiguous()
     R = logits.shape[0] if index is None else index.shape[0]
-    if index is not None:
-        assert R == 0 or (int(index.min()) >= 0 and int(index.max()) < logits.shape[0]), "rows out of range"
+    if index is not None and R and not (int(index.min()) >= 0 and int(index.max()) < logits.shape[0]):
+        raise ValueError(f"row_top_k: rows outside the logits' {logits.shape[0]}")
     values, ids = torch.empty(R, k), torch.empty(R, k, dtype=torch.long)
     lse = torch.empty(R) if with_lse else None
     function = kernel()
@@ -54,6 +57,8 @@ def row_top_k(logits: Tensor, k: int, with_lse: bool = True, rows: Tensor | None
         ids.data_ptr(),
         None if lse is None else lse.data_ptr(),
     )
+    if status == -1:
+        raise ValueError(f"row_top_k: k = {k} of {V} logits")
     if status != 0:
         raise MemoryError("row_top_k: out of memory for its chunk maxima")
     return values, ids, lse

@@ -33,6 +33,9 @@ NATIVE_OPERATORS = frozenset({"panel_linear", "paged_decode_attention"})  # thos
 # to flush denormals (gcc links crtfastmath.o into a -ffast-math link).
 COMPILE_FLAGS = ("-O3", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=gnu11")  # and build()'s -march
 DISABLE_ENV = "TRANSFORMER_SERVING_NO_CPU_KERNELS"  # set (to anything): torch's paths only
+# Set to "address": the kernels and operators are built with AddressSanitizer (the process must
+# load libasan first, LD_PRELOAD: tests/model/test_kernels_asan.py), in libraries of their own.
+SANITIZE_ENV = "TRANSFORMER_SERVING_SANITIZE"
 # The kernels as torch operators, torch.ops.transformer_serving.NAME: what a compiled step's graph calls.
 OPERATORS = torch.library.Library("transformer_serving", "FRAGMENT")
 
@@ -53,15 +56,28 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def sanitizer_flags() -> tuple[str, ...]:
+    """The compiler's sanitizer flags SANITIZE_ENV asks for (none when it is unset); ValueError for a sanitizer other than address."""
+    sanitizer = os.environ.get(SANITIZE_ENV, "")
+    if sanitizer not in ("", "address"):
+        raise ValueError(f"{SANITIZE_ENV}={sanitizer!r}: only 'address' is supported")
+    return ("-fsanitize=address", "-fno-omit-frame-pointer") if sanitizer else ()
+
+
+def sanitizer_name() -> str:
+    """The prefix of a sanitized build's library name ("asan-"), "" otherwise."""
+    return "asan-" if sanitizer_flags() else ""
+
+
 def build(compiler: str, directory: Path, march: str = "native") -> Path:
     """Compiles the kernels with `compiler` for gcc's -march=`march` (native: this CPU; the tests
     build other vector widths) into one shared library in `directory` (once per sources, flags and
     CPU) and returns its path. Raises subprocess.CalledProcessError if they do not compile."""
-    flags = (*COMPILE_FLAGS, f"-march={march}")
+    flags = (*COMPILE_FLAGS, f"-march={march}", *sanitizer_flags())
     digest = hashlib.sha256(" ".join(flags).encode() + _cpu_fingerprint().encode())
     for source in SOURCES:
         digest.update(source.name.encode() + source.read_bytes())
-    library = directory / f"cpu-kernels-{digest.hexdigest()[:16]}.so"
+    library = directory / f"cpu-kernels-{sanitizer_name()}{digest.hexdigest()[:16]}.so"
     if library.exists():
         return library
     directory.mkdir(parents=True, exist_ok=True)
@@ -70,7 +86,9 @@ def build(compiler: str, directory: Path, march: str = "native") -> Path:
         for source, obj in zip(SOURCES, objects, strict=True):
             subprocess.run([compiler, *flags, "-c", str(source), "-o", str(obj)], check=True, capture_output=True)
         built = Path(scratch) / "kernels.so"
-        subprocess.run([compiler, "-shared", *map(str, objects), "-o", str(built), "-lm"], check=True, capture_output=True)
+        subprocess.run(
+            [compiler, "-shared", *sanitizer_flags(), *map(str, objects), "-o", str(built), "-lm"], check=True, capture_output=True
+        )
         os.replace(built, library)  # atomic: replicas building at once each install a whole library
     return library
 
@@ -106,9 +124,10 @@ def build_operators(compiler: str, kernels: Path) -> Path:
         "-shared",
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         f"-I{torch_folder / 'include'}",
+        *sanitizer_flags(),
     )
     digest = hashlib.sha256(" ".join(flags).encode() + torch.__version__.encode() + kernels.name.encode() + OPERATORS_SOURCE.read_bytes())
-    library = kernels.parent / f"cpu-operators-{digest.hexdigest()[:16]}.so"
+    library = kernels.parent / f"cpu-operators-{sanitizer_name()}{digest.hexdigest()[:16]}.so"
     if library.exists():
         return library
     with tempfile.TemporaryDirectory(dir=kernels.parent) as scratch:

@@ -153,6 +153,14 @@ def panel_product(rows: Tensor, panels: Tensor, bias: Tensor | None, out_feature
     more than max_panel_rows() rows in pieces of that many, each written in place. Requires `panels_apply()`."""
     kernel = panel_kernel()
     assert kernel is not None, "panel_product without its kernel (check panels_apply())"
+    if rows.dim() != 2 or rows.dtype != torch.float32:
+        raise ValueError("panel_linear: rows (N, in) float32")
+    if not (panels.dim() == 3 and panels.is_contiguous() and panels.dtype == torch.float32 and panels.shape[1] == rows.shape[1]) or not (
+        panels.shape[2] == PANEL and 1 <= out_features <= panels.shape[0] * PANEL
+    ):
+        raise ValueError(f"panel_linear: panels (P, in, {PANEL}) contiguous float32, P * {PANEL} >= out_features >= 1")
+    if bias is not None and not (bias.is_contiguous() and bias.dtype == torch.float32 and bias.numel() == out_features):
+        raise ValueError("panel_linear: bias (out_features,) contiguous float32")
     rows = rows.contiguous()
     n, in_features = rows.shape
     y = rows.new_empty(n, out_features)

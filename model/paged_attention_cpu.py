@@ -18,7 +18,7 @@ from model import cpu_kernels
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The loaded kernel, or None (the CPU kernels are off: model/cpu_kernels.py)."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    argtypes = [pointer, pointer, pointer, pointer, size, pointer, pointer, size, size, size, size, size, ctypes.c_float]
+    argtypes = [pointer, pointer, pointer, pointer, size, pointer, pointer, size, size, size, size, size, size, ctypes.c_float]
     return cpu_kernels.load_function("paged_decode_attention", ctypes.c_int, argtypes)
 
 
@@ -41,9 +41,9 @@ def _kernel_attention(queries: Tensor, keys: Tensor, values: Tensor, key_blocks:
     """`paged_decode_attention` by the C kernel."""
     function = kernel()
     assert function is not None, "paged_decode_attention without its kernel (check applies())"
+    _check_inputs(queries, keys, values, key_blocks, lengths)
     B, H, D = queries.shape
-    _, block_size, Hkv, _ = keys.shape
-    assert keys.is_contiguous() and values.is_contiguous() and H % Hkv == 0
+    num_blocks, block_size, Hkv, _ = keys.shape
     queries = queries.contiguous()
     key_blocks, lengths = key_blocks.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     out = torch.empty(B, H, D)
@@ -60,13 +60,36 @@ def _kernel_attention(queries: Tensor, keys: Tensor, values: Tensor, key_blocks:
         Hkv,
         D,
         block_size,
+        num_blocks,
         D**-0.5,
     )
     if status == -2:
         raise ValueError(f"paged_decode_attention: lengths past the rows' {key_blocks.shape[1]} blocks of {block_size}")
+    if status == -3:
+        raise ValueError("paged_decode_attention: a length below 1")
+    if status == -4:
+        raise ValueError(f"paged_decode_attention: a block id outside the pools' {num_blocks} blocks")
     if status != 0:
         raise MemoryError("paged_decode_attention: out of memory for its scores")
     return out
+
+
+def _check_inputs(queries: Tensor, keys: Tensor, values: Tensor, key_blocks: Tensor, lengths: Tensor) -> None:
+    """ValueError unless the shapes and dtypes are the kernel's (the C kernel checks lengths and block ids itself)."""
+    if queries.dim() != 3 or queries.dtype != torch.float32:
+        raise ValueError("paged_decode_attention: queries (B, H, D) float32")
+    if (
+        keys.dim() != 4
+        or not (keys.is_contiguous() and values.is_contiguous())
+        or {keys.dtype, values.dtype} != {torch.float32}
+        or values.shape != keys.shape
+    ):
+        raise ValueError("paged_decode_attention: pools (num_blocks, block_size, Hkv, D) contiguous float32")
+    B, H, D = queries.shape
+    if keys.shape[2] < 1 or H % keys.shape[2] or keys.shape[3] != D:
+        raise ValueError("paged_decode_attention: query heads a multiple of key heads, one head size")
+    if key_blocks.dim() != 2 or key_blocks.shape[0] != B or lengths.dim() != 1 or lengths.shape[0] != B:
+        raise ValueError("paged_decode_attention: block tables (B, nb) and lengths (B,) for the B queries")
 
 
 def _attention_shape(queries: Tensor, keys: Tensor, values: Tensor, key_blocks: Tensor, lengths: Tensor) -> Tensor:

@@ -12,14 +12,21 @@
  * positions of the blocks block_tables[b, 0..] of the pools keys, values (num_blocks, block_size,
  * Hkv, D). q, out: (B, H, D) contiguous; block_tables: (B, table_stride). Query head h reads key
  * head h / (H / Hkv). Returns 0; -1 when out of memory, -2 when a length is past its row's
- * table_stride blocks (nothing computed). */
+ * table_stride blocks, -3 when a length is below 1, -4 when a block a length reaches is not one of
+ * the pools' num_blocks (nothing read or computed for -2 to -4). */
 int paged_decode_attention(const float *q, const float *keys, const float *values, const int64_t *block_tables,
                            int64_t table_stride, const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t Hkv,
-                           int64_t D, int64_t block_size, float scale) {
+                           int64_t D, int64_t block_size, int64_t num_blocks, float scale) {
     const int64_t group = H / Hkv, token_stride = Hkv * D, block_stride = block_size * token_stride;
     int64_t longest = 0;
-    for (int64_t b = 0; b < B; b++) longest = lengths[b] > longest ? lengths[b] : longest;
-    if (longest > table_stride * block_size) return -2;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = lengths[b];
+        if (L < 1) return -3;
+        if (L > table_stride * block_size) return -2;
+        for (int64_t i = 0; i < (L + block_size - 1) / block_size; i++)
+            if (block_tables[b * table_stride + i] < 0 || block_tables[b * table_stride + i] >= num_blocks) return -4;
+        longest = L > longest ? L : longest;
+    }
     float *scores = malloc(sizeof(float) * (size_t)(H * longest + H * D));  /* (H, L), then the scaled queries (H, D) */
     if (scores == NULL) return -1;
     float *query = scores + H * longest;
