@@ -184,6 +184,10 @@ class ServiceConfig(BaseModel):
     api_keys_env: str | None = None
     # Origins allowed to call the API from a browser (CORS); none: no CORS headers at all.
     cors_origins: tuple[str, ...] = ()
+    # The Responses API's stored responses (`store: true`), per ingress replica: at most this many,
+    # none kept longer than this (service/api/response_store.py).
+    responses_store_max: int = Field(1000, ge=0)
+    responses_store_ttl_s: float = Field(3600.0, gt=0)
 
     @field_validator("models")
     @classmethod

@@ -41,7 +41,7 @@ from service.protocol import (
     TokenizerInfo,
     Tokens,
     Tool,
-    ToolCall,
+    ToolCallPiece,
 )
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
@@ -97,13 +97,15 @@ def template_tool(tool: Tool) -> dict[str, Any]:
 
 
 def with_tool_calls(answer: Chunk, parser: ToolCallParser) -> Chunk:
-    """The chunk with the text of the tool calls it completes taken out, and the calls added (the
-    last chunk also gets what the parser held back)."""
-    content, calls = parser.feed(answer.text)
+    """The chunk with the text of the tool calls it writes taken out, and the pieces of those calls
+    added, a call's id on its first (the last chunk also gets what the parser held back)."""
+    content, pieces = parser.feed(answer.text)
     if answer.finish_reason is not None:
         rest, more = parser.close()
-        content, calls = content + rest, calls + more
-    tool_calls = tuple(ToolCall(f"call_{uuid.uuid4().hex[:24]}", c.name, c.arguments) for c in calls)
+        content, pieces = content + rest, pieces + more
+    tool_calls = tuple(
+        ToolCallPiece(p.index, p.arguments, None if p.name is None else f"call_{uuid.uuid4().hex[:24]}", p.name) for p in pieces
+    )
     return replace(answer, text=content, tool_calls=tool_calls)
 
 
@@ -201,9 +203,9 @@ class ModelDeployment:
             raise InvalidRequestError(message + " (Hermes <tool_call>, Llama 3.1 JSON)", "tools")
         if request.tool_choice == "none":
             return None, request.structured
-        parser = ToolCallParser(format, frozenset(t.name for t in request.tools))
+        declared = frozenset(t.name for t in request.tools)
         if request.tool_choice == "auto" and request.tool_name is None:
-            return parser, request.structured
+            return ToolCallParser(format, declared), request.structured
         if request.structured is not None:
             raise InvalidRequestError("a forced tool call cannot also take response_format or structured_outputs", "tool_choice")
         tools = [
@@ -212,7 +214,7 @@ class ModelDeployment:
             if request.tool_name in (None, t.name)
         ]
         grammar = forced_call_grammar(format, tools, request.parallel_tool_calls and request.tool_name is None, json_options(None))
-        return parser, StructuredOutput("lark", grammar, "tool_choice")
+        return ToolCallParser(format, declared, stream_arguments=True), StructuredOutput("lark", grammar, "tool_choice")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | Refusal]:
         try:

@@ -39,6 +39,29 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class ToolCallPiece:
+    """A piece of a reply's tool call as it streams: the call's index in the reply, its id and name
+    on its first piece, and the next fragment of its arguments' JSON text (a call's fragments
+    join to its arguments). A call given whole is one piece."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+def joined_calls(earlier: tuple[ToolCallPiece, ...], later: tuple[ToolCallPiece, ...]) -> tuple[ToolCallPiece, ...]:
+    """The pieces of both, each call's consecutive pieces joined into one."""
+    calls = list(earlier)
+    for piece in later:
+        if calls and calls[-1].index == piece.index:
+            calls[-1] = replace(calls[-1], arguments=calls[-1].arguments + piece.arguments)
+        else:
+            calls.append(piece)
+    return tuple(calls)
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     """One message of a chat, as its template reads it (an assistant's tool calls, a tool's result)."""
 
@@ -105,7 +128,7 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     echo: str | None = None  # with GenerateRequest.echo, on the first chunk: the prompt's text
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with echo and logprobs, on the first chunk (the first token's is None)
-    tool_calls: tuple[ToolCall, ...] = ()  # calls completed in this chunk (their text is not in `text`)
+    tool_calls: tuple[ToolCallPiece, ...] = ()  # pieces of calls written in this chunk (their text is not in `text`)
     error: str | None = None  # with finish_reason "constraint": why the output could not go on, for the client
 
     def followed_by(self, later: "Chunk") -> "Chunk":
@@ -119,7 +142,7 @@ class Chunk:
             self.logprobs + later.logprobs,
             self.echo if self.echo is not None else later.echo,
             self.prompt_logprobs or later.prompt_logprobs,
-            self.tool_calls + later.tool_calls,
+            joined_calls(self.tool_calls, later.tool_calls),
             later.error,
         )
 

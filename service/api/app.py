@@ -12,10 +12,11 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api import libretranslate_routes, openai_routes, playground_routes, translation_routes
+from service.api import libretranslate_routes, openai_routes, playground_routes, responses_routes, translation_routes
 from service.api.auth import ApiKeyMiddleware
 from service.api.backend import Backends, model_of_path
 from service.api.errors import FailureHook, error_response, install_error_handlers, route_path
+from service.api.response_store import ResponseStore
 from service.api.schemas import Health, Readiness
 from service.config import ServiceConfig
 
@@ -103,7 +104,13 @@ class EdgeMiddleware:
 HEALTH_PATHS = frozenset({"/healthz", "/health", "/readyz"})
 
 
-ROUTERS = (openai_routes.router, translation_routes.router, libretranslate_routes.router, playground_routes.router)
+ROUTERS = (
+    openai_routes.router,
+    responses_routes.router,
+    translation_routes.router,
+    libretranslate_routes.router,
+    playground_routes.router,
+)
 
 
 class AdmissionMiddleware:
@@ -177,6 +184,7 @@ def create_api(
     api.state.started = int(time.time())
     api.state.config = config
     api.state.backends = backends
+    api.state.responses = ResponseStore(config.responses_store_max, config.responses_store_ttl_s)
     install_error_handlers(api, on_failure)
     # Middleware added later runs earlier: request ids, body limit and access log, then admission,
     # then CORS (a browser's preflight carries no key), then the API keys, before any route reads
@@ -187,7 +195,7 @@ def create_api(
         api.add_middleware(
             CORSMiddleware,
             allow_origins=list(config.cors_origins),
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
             expose_headers=["X-Request-Id", "Retry-After"],
         )

@@ -6,9 +6,9 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -44,7 +44,7 @@ from service.api.schemas import (
 from service.api.streams import DONE, merged, sse, sse_error
 from service.config import ServiceConfig
 from service.engine.config import FinishReason, StructuredOutput
-from service.protocol import ChatMessage, Chunk, GenerateRequest, TokenizeRequest, Tool, ToolCall
+from service.protocol import ChatMessage, Chunk, GenerateRequest, TokenizeRequest, Tool, ToolCall, ToolCallPiece
 
 router = APIRouter()
 
@@ -156,32 +156,50 @@ def chat_messages(bodies: list[ChatMessageBody]) -> tuple[ChatMessage, ...]:
     return tuple(messages)
 
 
-def tool_fields(body: ChatCompletionRequest) -> dict[str, Any]:
-    """The chat's tools, as the engine takes them (GenerateRequest's): a named tool_choice is
-    "required" of that one function."""
-    if not body.tools:
-        if body.tool_choice not in (None, "none"):
+class FunctionSpec(Protocol):
+    """A function tool as a request declares it (chat completions' `function`, a Responses API tool)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def description(self) -> str | None: ...
+    @property
+    def parameters(self) -> dict[str, Any] | None: ...
+    @property
+    def strict(self) -> bool | None: ...
+
+
+def function_tool_fields(
+    functions: Sequence[FunctionSpec], choice: str | None, named: str | None, parallel: bool, parameters_field: Callable[[int], str]
+) -> dict[str, Any]:
+    """The request's tools, as the engine takes them (GenerateRequest's): `named` (a function
+    tool_choice names) is "required" of that one function. parameters_field(i): where function i's
+    parameters are in the request, for the 400 that refuses them."""
+    if not functions:
+        if named is not None or choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", "tool_choice")
         return {}
-    names = [t.function.name for t in body.tools]
+    names = [f.name for f in functions]
     if len(set(names)) < len(names):
         raise APIError(400, "tools: every function needs its own name", "tools")
-    choice, name = body.tool_choice or "auto", None
-    if isinstance(choice, NamedToolChoice):
-        name = choice.function.name
-        if name not in names:
-            raise APIError(400, f"tool_choice names {name!r}, which is not among tools", "tool_choice")
+    if named is not None:
+        if named not in names:
+            raise APIError(400, f"tool_choice names {named!r}, which is not among tools", "tool_choice")
         choice = "required"
     no_arguments = {"type": "object", "properties": {}}
-    for i, t in enumerate(body.tools):
-        if t.function.parameters is not None and t.function.parameters.get("type") != "object":
-            message = "a function's parameters must be a JSON schema of an object (type: object)"
-            raise APIError(400, message, f"tools.{i}.function.parameters")
-    tools = tuple(
-        Tool(t.function.name, t.function.description, json.dumps(t.function.parameters or no_arguments), bool(t.function.strict))
-        for t in body.tools
-    )
-    return {"tools": tools, "tool_choice": choice, "tool_name": name, "parallel_tool_calls": body.parallel_tool_calls}
+    for i, f in enumerate(functions):
+        if f.parameters is not None and f.parameters.get("type") != "object":
+            raise APIError(400, "a function's parameters must be a JSON schema of an object (type: object)", parameters_field(i))
+    tools = tuple(Tool(f.name, f.description, json.dumps(f.parameters or no_arguments), bool(f.strict)) for f in functions)
+    return {"tools": tools, "tool_choice": choice or "auto", "tool_name": named, "parallel_tool_calls": parallel}
+
+
+def tool_fields(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat's tools, as the engine takes them (function_tool_fields)."""
+    named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+    choice = None if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    functions = [t.function for t in body.tools or []]
+    return function_tool_fields(functions, choice, named, body.parallel_tool_calls, lambda i: f"tools.{i}.function.parameters")
 
 
 def prompts_of(body: CompletionRequest) -> list[str | tuple[int, ...]]:
@@ -295,8 +313,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     }
 
 
-def tool_call_out(call: ToolCall) -> dict[str, Any]:
+def tool_call_out(call: ToolCallPiece) -> dict[str, Any]:
+    """A whole call (its pieces joined) as chat completions answer it."""
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta(piece: ToolCallPiece) -> dict[str, Any]:
+    """A piece of a call as a chat stream sends it: id, type and name on the call's first piece."""
+    first = {"id": piece.id, "type": "function"} if piece.name is not None else {}
+    name = {"name": piece.name} if piece.name is not None else {}
+    return {"index": piece.index, **first, "function": {**name, "arguments": piece.arguments}}
 
 
 def chat_message(chunk: Chunk) -> dict[str, Any]:
@@ -379,12 +405,13 @@ def chat_logprobs(chunk: Chunk) -> dict[str, Any]:
 @dataclass
 class ChatFrames:
     """A chat stream's choices for one chunk: the role alone first, then content (with logprobs:
-    its tokens'), each tool call whole as it completes, then the finish reason with an empty delta
-    (as OpenAI sends them; "tool_calls" after calls unless calls_end is False)."""
+    its tokens'), each piece of a tool call as it comes (its id and name first), then the finish
+    reason with an empty delta (as OpenAI sends them; "tool_calls" after calls unless calls_end is
+    False)."""
 
     logprobs: bool
     calls_end: bool = True
-    calls: dict[int, int] = field(default_factory=dict)  # tool calls sent so far, by choice
+    called: set[int] = field(default_factory=set)  # the choices that have called tools
 
     def __call__(self, index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
         frames: list[dict[str, Any]] = []
@@ -393,13 +420,11 @@ class ChatFrames:
         if chunk.text or (self.logprobs and chunk.logprobs):  # tokens of a character not yet whole: their logprobs now
             scores = chat_logprobs(chunk) if self.logprobs else None
             frames.append({"index": index, "delta": {"content": chunk.text}, "logprobs": scores, "finish_reason": None})
-        for call in chunk.tool_calls:
-            sent = self.calls.get(index, 0)
-            self.calls[index] = sent + 1
-            delta = {"tool_calls": [{"index": sent, **tool_call_out(call)}]}
-            frames.append({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+        for piece in chunk.tool_calls:
+            self.called.add(index)
+            frames.append({"index": index, "delta": {"tool_calls": [tool_call_delta(piece)]}, "logprobs": None, "finish_reason": None})
         if chunk.finish_reason is not None:
-            reason = chat_finish(chunk.finish_reason, self.calls_end and index in self.calls)
+            reason = chat_finish(chunk.finish_reason, self.calls_end and index in self.called)
             frames.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return frames
 

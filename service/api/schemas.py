@@ -471,10 +471,20 @@ class ChatCompletionResponse(ResponseModel):
     usage: Usage
 
 
-class ToolCallDelta(ToolCallOut):
-    """A streamed tool call: sent whole, in one event, once its arguments are complete."""
+class FunctionCallDelta(ResponseModel):
+    name: str | SkipJsonSchema[None] = None  # on the call's first event only
+    arguments: str  # the next fragment of its arguments (the fragments join to the arguments)
+
+
+class ToolCallDelta(ResponseModel):
+    """A streamed tool call's piece: its id, type and name on its first event, then its arguments
+    in fragments as they are written (a forced call), or in one fragment once the call parses
+    (tool_choice auto)."""
 
     index: int  # the call's place among the choice's calls
+    id: str | SkipJsonSchema[None] = None
+    type: Literal["function"] | SkipJsonSchema[None] = None
+    function: FunctionCallDelta
 
 
 class ChatDelta(ResponseModel):

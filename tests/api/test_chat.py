@@ -1,15 +1,17 @@
-"""Chat completions, n choices, stream_options and tokenize/detokenize in the HTTP layer, over a
-fake model that answers from what it was sent."""
+"""Chat completions, n choices, stream_options, streamed tool calls and tokenize/detokenize in the
+HTTP layer, over fake models that answer from what they were sent."""
 
 import json
 from collections.abc import AsyncGenerator
+from typing import Any
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
 from service.api.app import create_api
 from service.config import ServiceConfig
-from service.protocol import ChatMessage, Chunk, GenerateRequest, Refusal, TokenizeRequest, Tokens
+from service.protocol import ChatMessage, Chunk, GenerateRequest, Refusal, TokenizeRequest, Tokens, ToolCallPiece
 from tests.helpers import backends_for
 
 
@@ -189,3 +191,39 @@ def test_penalties_bias_min_tokens_and_ignore_eos_reach_the_model(api: tuple[Tes
         sampling = request.sampling
         assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.5, 1.2)
         assert (request.min_tokens, request.ignore_eos, request.sampling.logit_bias) == (2, True, ((5, -100.0),))
+
+
+class CallingModel:
+    """Calls the request's named function with {"city": "Köln"}, its arguments written in two pieces after its name."""
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
+        yield Chunk("", prompt_tokens=4)
+        pieces = (ToolCallPiece(0, "", "call_a", request.tool_name), ToolCallPiece(0, '{"city": '), ToolCallPiece(0, '"Köln"}'))
+        for i, piece in enumerate(pieces):
+            yield Chunk("", "stop" if i == len(pieces) - 1 else None, tool_calls=(piece,), prompt_tokens=4, completion_tokens=i + 1)
+
+    async def ready(self) -> bool:
+        return True
+
+
+def test_a_forced_call_streams_its_name_then_its_arguments_in_pieces_through_the_openai_client() -> None:
+    config = ServiceConfig()
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    choice: Any = {"type": "function", "function": {"name": "get_weather"}}
+    with TestClient(create_api(config, backends_for(config, CallingModel()))) as http:  # type: ignore[arg-type]
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+        messages: Any = [{"role": "user", "content": "Weather?"}]
+        stream = client.chat.completions.create(
+            messages=messages, model="transformer-shakespeare", tools=tools, tool_choice=choice, stream=True
+        )
+        chunks = [c for c in stream if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert [(d.index, d.id, d.type, d.function.name, d.function.arguments) for d in deltas] == [
+            (0, "call_a", "function", "get_weather", ""),
+            (0, None, None, None, '{"city": '),
+            (0, None, None, None, '"Köln"}'),
+        ]
+        assert chunks[-1].choices[0].finish_reason == "stop"  # a named function's call ends with "stop", as OpenAI's
+        whole = client.chat.completions.create(messages=messages, model="transformer-shakespeare", tools=tools, tool_choice=choice)
+        [call] = whole.choices[0].message.tool_calls or []
+        assert (call.id, call.function.name, call.function.arguments) == ("call_a", "get_weather", '{"city": "Köln"}')

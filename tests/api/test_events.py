@@ -23,6 +23,9 @@ def test_an_event_holds_what_was_set_and_no_defaults() -> None:
     call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     with_call = {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}]}
     assert data_of(sse(ChatCompletionChunk, with_call)) == with_call
+    fragment = {"index": 0, "function": {"arguments": '{"a'}}  # a call's later piece: no id, type or name
+    with_fragment = {**BASE, "choices": [{"index": 0, "delta": {"tool_calls": [fragment]}, "logprobs": None, "finish_reason": None}]}
+    assert data_of(sse(ChatCompletionChunk, with_fragment)) == with_fragment
     assert DONE == "data: [DONE]\n\n"
     assert data_of(sse_error("lost", 503)) == {"error": {"message": "lost", "type": "server_error", "param": None, "code": 503}}
 

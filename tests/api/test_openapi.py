@@ -90,7 +90,7 @@ def test_every_status_of_every_route_has_a_response_schema(method: str, path: st
 
 
 def test_streaming_routes_document_their_events_and_their_json() -> None:
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/translate"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/translate"):
         content = API.openapi()["paths"][path]["post"]["responses"]["200"]["content"]
         assert set(content) == {"application/json", "text/event-stream"}, path
 
@@ -119,6 +119,13 @@ ANSWERS: list[tuple[str, str, Any, int]] = [
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True}, 200),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": BROKEN}], "stream": True}, 200),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [{}]}, 400),
+    ("POST", "/v1/responses", {"input": "Hi", "instructions": "Be brief."}, 200),
+    ("POST", "/v1/responses", {"input": [{"role": "user", "content": "Hi"}], "stream": True}, 200),
+    ("POST", "/v1/responses", {"input": BROKEN, "stream": True}, 200),
+    ("POST", "/v1/responses", {"input": "Hi", "background": True}, 400),
+    ("POST", "/v1/responses", {"input": "Hi", "previous_response_id": "resp_none"}, 404),
+    ("GET", "/v1/responses/{response_id}", {"response_id": "resp_none"}, 404),
+    ("DELETE", "/v1/responses/{response_id}", {"response_id": "resp_none"}, 404),
     ("POST", "/tokenize", {"prompt": "A dog", "return_token_strs": True}, 200),
     ("POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}, 400),
     ("POST", "/detokenize", {"tokens": [5, 6]}, 200),
@@ -143,7 +150,10 @@ def test_every_route_has_an_answer_checked() -> None:
 @pytest.mark.parametrize(("method", "path", "body", "status"), ANSWERS)
 def test_answers_conform_to_the_schema(method: str, path: str, body: Any, status: int) -> None:
     operation = SCHEMA[path][method]
-    case = operation.Case() if body is None else operation.Case(body=body, media_type="application/json")
+    if "{" in path:  # a path's parameters in place of a body
+        case = operation.Case(path_parameters=body)
+    else:
+        case = operation.Case() if body is None else operation.Case(body=body, media_type="application/json")
     response = case.call()
     assert response.status_code == status, response.text
     case.validate_response(response, checks=CHECKS)
@@ -155,7 +165,8 @@ def test_refusals_of_api_keys_conform_to_the_schema() -> None:
         if is_public(path):
             continue
         operation = keyed[path][method]
-        case = operation.Case(body={}, media_type="application/json") if method == "POST" else operation.Case()
+        parameters = {"response_id": "resp_none"} if "{response_id}" in path else None
+        case = operation.Case(body={}, media_type="application/json") if method == "POST" else operation.Case(path_parameters=parameters)
         response = case.call()
         assert response.status_code == (400 if path in BODY_KEY_PATHS else 401), path
         case.validate_response(response, checks=CHECKS)
@@ -181,6 +192,7 @@ def test_every_route_that_reaches_a_model_declares_which_so_failures_count_again
     assert declared == {
         "/v1/completions": "generator",
         "/v1/chat/completions": "generator",
+        "/v1/responses": "generator",
         "/v1/attention": "generator",
         "/v1/translate": "translator",
         "/translate": "translator",

@@ -9,7 +9,7 @@ import jsonschema
 import llguidance
 import pytest
 
-from loading.tool_calls import FunctionTool, ParsedCall, ToolCallParser, forced_call_grammar, tool_call_format
+from loading.tool_calls import CallPiece, FunctionTool, ParsedCall, ToolCallParser, forced_call_grammar, tool_call_format
 
 WEATHER = FunctionTool(
     "get_weather",
@@ -26,14 +26,31 @@ DECLARED = frozenset({"get_weather", "get_time"})
 JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": " ?"}
 
 
-def parse_in_pieces(format: str, reply: str, size: int, declared: frozenset[str] = DECLARED) -> tuple[str, list[ParsedCall]]:
-    parser = ToolCallParser(format, declared)  # type: ignore[arg-type]
-    content, calls = "", []
+def joined(pieces: list[CallPiece]) -> list[ParsedCall]:
+    """Calls from their pieces: a call's first piece names it, its later ones do not, its
+    fragments join to its arguments, and the calls' indexes run from 0."""
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        if piece.index not in calls:
+            assert piece.name is not None, piece
+            calls[piece.index] = [piece.name, ""]
+        else:
+            assert piece.name is None, piece
+        calls[piece.index][1] += piece.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return [ParsedCall(*calls[i]) for i in sorted(calls)]
+
+
+def parse_in_pieces(
+    format: str, reply: str, size: int, declared: frozenset[str] = DECLARED, stream_arguments: bool = False
+) -> tuple[str, list[ParsedCall]]:
+    parser = ToolCallParser(format, declared, stream_arguments)  # type: ignore[arg-type]
+    content, pieces = "", []
     for start in range(0, len(reply), size):
         text, found = parser.feed(reply[start : start + size])
-        content, calls = content + text, calls + found
+        content, pieces = content + text, pieces + found
     text, found = parser.close()
-    return content + text, calls + found
+    return content + text, joined(pieces + found)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
@@ -72,6 +89,39 @@ def test_a_call_of_a_function_not_offered_is_content_never_a_call() -> None:
     reply = '{"name": "delete_all_files", "parameters": {"path": "/"}}'
     assert parse_in_pieces("llama3_json", reply, 4) == (reply, [])
     assert parse_in_pieces("llama3_json", reply + '; {"name": "get_time", "parameters": {}}', 4)[1] == []
+
+
+FORCED_HERMES = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a}\\"{ [", "x": [1, {"y": "]"}]}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+RAW_CALLS = [ParsedCall("get_weather", '{"city": "a}\\"{ [", "x": [1, {"y": "]"}]}'), ParsedCall("get_time", "{}")]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_forced_calls_stream_their_name_then_their_arguments_as_written(size: int) -> None:
+    """The fragments join to the arguments exactly as written (braces and quotes inside strings
+    included), however the reply is cut; nothing of it is content."""
+    assert parse_in_pieces("hermes", FORCED_HERMES, size, stream_arguments=True) == ("", RAW_CALLS)
+    reply = ' {"name": "get_weather", "parameters": {"city": "Köln"}}'
+    assert parse_in_pieces("llama3_json", reply, size, stream_arguments=True) == ("", [ParsedCall("get_weather", '{"city": "Köln"}')])
+
+
+def test_a_forced_calls_name_comes_as_soon_as_it_is_written_and_its_arguments_token_by_token() -> None:
+    parser = ToolCallParser("hermes", DECLARED, stream_arguments=True)
+    assert parser.feed('<tool_call>\n{"name": "get_wea') == ("", [])
+    assert parser.feed('ther"') == ("", [CallPiece(0, "", "get_weather")])
+    assert parser.feed(', "arguments": {"ci') == ("", [CallPiece(0, '{"ci')])
+    assert parser.feed('ty": "Kö') == ("", [CallPiece(0, 'ty": "Kö')])
+    assert parser.feed('ln"}}\n</tool') == ("", [CallPiece(0, 'ln"}')])
+    assert parser.feed("_call>") == ("", [])
+    assert parser.close() == ("", [])
+
+
+def test_a_forced_call_cut_short_has_streamed_what_was_written() -> None:
+    content, calls = parse_in_pieces("hermes", FORCED_HERMES[:60], 5, stream_arguments=True)
+    assert content == "" and [c.name for c in calls] == ["get_weather"]
+    assert RAW_CALLS[0].arguments.startswith(calls[0].arguments) and calls[0].arguments != RAW_CALLS[0].arguments
 
 
 def test_the_format_is_read_from_the_template() -> None:
@@ -122,6 +172,10 @@ def test_the_forced_grammar_allows_only_calls_of_the_tools_with_valid_arguments(
         assert len(calls) == 1 or parallel
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        streamed_content, streamed = parse_in_pieces(format, reply.decode(), 3, stream_arguments=True)
+        assert streamed_content == "" and [(c.name, json.loads(c.arguments)) for c in streamed] == [
+            (c.name, json.loads(c.arguments)) for c in calls
+        ]
 
 
 def test_parallel_calls_follow_one_another() -> None:

@@ -2,7 +2,7 @@
 folders built in the test, and a small chat model trained here) and the official openai client:
 `chat.completions.parse` with a pydantic model, strict schemas, JSON schemas, choices and regexes,
 forced and automatic tool calls (pydantic-style references in their parameters), streamed and
-not, the tools rendered by the model's own chat template (Qwen2.5's, Hermes-style calls) as
+not, through chat completions and the Responses API, the tools rendered by the model's own chat template (Qwen2.5's, Hermes-style calls) as
 transformers renders them, the 400s of what cannot be served, benchmarks/hostile.py's corpus;
 on the trained model, what random weights cannot show: strict JSON and forced calls that end
 within their schemas, and a call of an undeclared tool kept as text."""
@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import httpx
@@ -232,10 +233,27 @@ def test_a_forced_tool_calls_arguments_validate_streamed_or_not(client: openai.O
             stream=True,
         )
         chunks = [c for c in stream if c.choices]
-        calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
-        assert [call.index for call in calls] == list(range(len(calls)))
+        calls = joined_call_deltas([delta for c in chunks for delta in c.choices[0].delta.tool_calls or []])
         assert_calls_valid(calls, names)
         assert chunks[-1].choices[0].finish_reason == reason
+
+
+def joined_call_deltas(deltas: list[Any]) -> list[Any]:
+    """A stream's tool-call deltas as whole calls: each call's first delta has its id, type and name
+    (its later ones none of them), its argument fragments join to its arguments, and the calls'
+    indexes run from 0 (how many deltas a call takes depends on the stream's pacing)."""
+    calls: dict[int, Any] = {}
+    for delta in deltas:
+        if delta.index not in calls:
+            assert delta.id and delta.type == "function" and delta.function.name, delta
+            calls[delta.index] = SimpleNamespace(
+                id=delta.id, type="function", function=SimpleNamespace(name=delta.function.name, arguments="")
+            )
+        else:
+            assert delta.id is None and delta.function.name is None, delta
+        calls[delta.index].function.arguments += delta.function.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)]
 
 
 def test_automatic_tool_choice_answers_text_or_calls_and_takes_tool_results_back(client: openai.OpenAI) -> None:
@@ -348,3 +366,47 @@ def test_a_call_of_an_undeclared_tool_is_never_returned_as_a_call(client: openai
     message = answer.choices[0].message
     assert not message.tool_calls and answer.choices[0].finish_reason == "stop"
     assert "delete_all_files" in (message.content or "")  # the model did write the call
+
+
+RESPONSES_WEATHER: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": WEATHER_PARAMETERS,
+}
+
+
+def test_the_responses_api_runs_the_tool_loop_on_a_real_model_streamed_and_not(client: openai.OpenAI) -> None:
+    """Through the Responses API on Qwen2.5's template: a forced call whose arguments validate
+    (the streamed events' deltas join to them), the call's output sent with previous_response_id,
+    and an answer in text; the stored responses read back."""
+    forced = {"type": "function", "name": "get_weather"}
+    first = client.responses.create(
+        model="qwen-tools", input="What is the weather in Verona?", tools=[RESPONSES_WEATHER], tool_choice=forced, max_output_tokens=200
+    )  # type: ignore[arg-type]
+    [call] = first.output
+    assert first.status == "completed" and call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
+    events = list(
+        client.responses.create(
+            model="qwen-tools", input="And in Pisa?", tools=[RESPONSES_WEATHER], tool_choice=forced, max_output_tokens=200, stream=True
+        )  # type: ignore[arg-type]
+    )
+    assert [e.sequence_number for e in events] == list(range(len(events))) and events[-1].type == "response.completed"
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    [streamed_call] = events[-1].response.output
+    assert streamed_call.type == "function_call" and streamed == streamed_call.arguments
+    jsonschema.validate(json.loads(streamed), WEATHER_PARAMETERS)
+
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "21 degrees"}
+    second = client.responses.create(
+        model="qwen-tools",
+        previous_response_id=first.id,
+        input=[output],
+        tools=[RESPONSES_WEATHER],
+        tool_choice="none",
+        max_output_tokens=8,
+    )  # type: ignore[arg-type, list-item]
+    assert second.status in ("completed", "incomplete") and all(item.type == "message" for item in second.output)  # text, no call
+    assert second.usage is not None and second.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+    assert client.responses.retrieve(second.id).output_text == second.output_text
