@@ -642,20 +642,21 @@ def _tools(body: dict[str, Any]) -> tuple[dict[str, Any], Any, str | None]:
     return tools, choice, choice["function"]["name"] if isinstance(choice, dict) else None
 
 
-def _call_problems(body: dict[str, Any], calls: list[tuple[str, str]]) -> list[str]:
-    """What is wrong with an answer's tool calls, whatever its finish."""
+def _call_problems(body: dict[str, Any], calls: list[tuple[str, str]], cut: bool) -> list[str]:
+    """What is wrong with an answer's tool calls, whatever its finish; cut (the answer ended at its
+    length): the last call may be cut short too (a forced call streams as it is written)."""
     tools, choice, forced_name = _tools(body)
     problems = []
     if len(calls) > 1 and (forced_name is not None or (choice == "required" and body.get("parallel_tool_calls") is False)):
         problems.append(f"{len(calls)} calls where one is asked for")
-    for name, arguments in calls:
+    for i, (name, arguments) in enumerate(calls):
         if name not in tools:
             problems.append(f"a call of {name!r}, which is not among the tools")
         elif choice == "none":
             problems.append(f"a call of {name!r} under tool_choice none")
         elif forced_name not in (None, name):
             problems.append(f"a call of {name!r} where {forced_name!r} is forced")
-        elif choice == "required" or forced_name is not None:
+        elif (choice == "required" or forced_name is not None) and not (cut and i == len(calls) - 1):
             problem = json_problem(tools[name], arguments)
             if problem:
                 problems.append(f"{name}'s arguments {_excerpt(arguments, 80)}: {problem}")
@@ -678,7 +679,7 @@ def _judge(body: dict[str, Any], choice: _Choice) -> Verdict:
         return Verdict("server_error", "a choice without a finish_reason")
     if choice.finish_reason not in FINISHED:
         return Verdict("error_event", f"finish_reason {choice.finish_reason!r}")
-    problems = _call_problems(body, choice.calls)
+    problems = _call_problems(body, choice.calls, choice.finish_reason == "length")
     if choice.finish_reason != "length":
         problems += _output_problems(body, choice)
     output = f"{choice.finish_reason}: {_excerpt(choice.text, 100)}" + "".join(f", call {n}({a})" for n, a in choice.calls)

@@ -25,6 +25,8 @@ from tokenizers import Tokenizer as FastTokenizer
 from loading.chat_template import ChatTemplateError, Message, compile_chat_template, render_chat_template
 from loading.folder_base import CheckpointError, read_json
 from loading.tokenizer import WithoutChat
+from loading.tool_calls import tool_call_format
+from loading.tool_formats import MARKERS
 
 SPACE_PIECE = "\u2581"  # sentencepiece's word-start mark
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback piece
@@ -149,6 +151,9 @@ class FastTextTokenizer:
             self._compiled = None if self.chat_template is None else compile_chat_template(self.chat_template)
         except ChatTemplateError as error:
             raise CheckpointError(template_file if template_file.is_file() else config_path, str(error)) from None
+        format = tool_call_format(self.chat_template or "")
+        marker_ids = {marker: self.tokenizer.token_to_id(marker) for marker in (MARKERS[format] if format else ())}
+        self.tool_markers: dict[str, int] = {marker: i for marker, i in marker_ids.items() if i is not None and i in self.special_ids}
 
     def _bos_id(self) -> int | None:
         """The special token tokenizer.json's post-processor puts before the text, if any: what
@@ -189,7 +194,7 @@ class FastTextTokenizer:
 
     def piece_bytes(self, token_id: int) -> bytes:
         token = self.tokenizer.id_to_token(token_id)
-        if token is None or token_id in self.special_ids:
+        if token is None or (token_id in self.special_ids and token not in self.tool_markers):
             return b""
         if self.byte_level:  # each character stands for one byte (an added token's other characters for themselves)
             return b"".join(bytes([self.byte_of[c]]) if c in self.byte_of else c.encode("utf-8") for c in token)

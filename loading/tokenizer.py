@@ -1,8 +1,9 @@
 """sentencepiece tokenizers with fixed special ids: pad 0, unk 1, bos 2, eos 3."""
 
 import io
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import sentencepiece as spm
@@ -37,6 +38,11 @@ class TextTokenizer(Protocol):
 
     chat_template: str | None  # the chat template's source; None: this tokenizer renders no chat
 
+    @property
+    def tool_markers(self) -> Mapping[str, int]:
+        """The markers of the chat template's tool-call format that are special tokens of the
+        vocabulary, with their ids: piece_bytes gives their text (the parser reads calls from it)."""
+
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
     ) -> str:
@@ -52,6 +58,7 @@ class WithoutChat:
     """A tokenizer with no chat template (ours, Marian's): every chat is refused."""
 
     chat_template: str | None = None
+    tool_markers: Mapping[str, int] = MappingProxyType({})
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +17,9 @@ from ray import serve
 from loading.chat_template import ChatTemplateError
 from loading.checkpoint import WeightType
 from loading.tokenizer import TextTokenizer
-from loading.tool_calls import FunctionTool, ToolCallParser, forced_call_grammar, tool_call_format
+from loading.tool_calls import FunctionTool, ToolCallParser, tool_call_format
+from loading.tool_formats import call_id
+from loading.tool_grammars import forced_call_grammar
 from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
 from service.engine.config import StructuredOutput, TokenLogprob
@@ -103,9 +104,7 @@ def with_tool_calls(answer: Chunk, parser: ToolCallParser) -> Chunk:
     if answer.finish_reason is not None:
         rest, more = parser.close()
         content, pieces = content + rest, pieces + more
-    tool_calls = tuple(
-        ToolCallPiece(p.index, p.arguments, None if p.name is None else f"call_{uuid.uuid4().hex[:24]}", p.name) for p in pieces
-    )
+    tool_calls = tuple(ToolCallPiece(p.index, p.arguments, None if p.name is None else call_id(parser.format), p.name) for p in pieces)
     return replace(answer, text=content, tool_calls=tool_calls)
 
 
@@ -200,10 +199,10 @@ class ModelDeployment:
         format = tool_call_format(self.runner.tokenizer.chat_template or "")
         if format is None:  # under every tool_choice, "none" too: the tools would be rendered as the template sees fit
             message = f"the model {self.config.name}'s chat template does not render tools in a tool-call format this server parses"
-            raise InvalidRequestError(message + " (Hermes <tool_call>, Llama 3.1 JSON)", "tools")
+            raise InvalidRequestError(message + " (Hermes, Qwen3-Coder, Mistral, DeepSeek V3, Llama 3.1 JSON, pythonic)", "tools")
         if request.tool_choice == "none":
             return None, request.structured
-        declared = frozenset(t.name for t in request.tools)
+        declared = {t.name: json.loads(t.parameters) for t in request.tools}
         if request.tool_choice == "auto" and request.tool_name is None:
             return ToolCallParser(format, declared), request.structured
         if request.structured is not None:
@@ -213,7 +212,11 @@ class ModelDeployment:
             for t in request.tools
             if request.tool_name in (None, t.name)
         ]
-        grammar = forced_call_grammar(format, tools, request.parallel_tool_calls and request.tool_name is None, json_options(None))
+        parallel = request.parallel_tool_calls and request.tool_name is None
+        try:
+            grammar = forced_call_grammar(format, tools, parallel, json_options(None))
+        except ValueError as error:
+            raise InvalidRequestError(str(error), "tools") from None
         return ToolCallParser(format, declared, stream_arguments=True), StructuredOutput("lark", grammar, "tool_choice")
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | Refusal]:
