@@ -187,6 +187,12 @@ def validate_translator(model: Translator, tokenizer: Tokenizer, sources: list[s
     return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
 
 
+def load_state(path: Path, device: torch.device) -> dict[str, Any]:
+    """A run's saved state (Trainer.save_state), tensors on device; never unpickles anything but tensors and plain values."""
+    state: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
+    return state
+
+
 class Trainer:
     """The shared loop: steps, schedule, clipping, periodic validation, best-keeping, snapshots, resume."""
 
@@ -208,7 +214,7 @@ class Trainer:
         self.tokenizer_sha256 = hashlib.sha256(tokenizer.model_proto).hexdigest()
         state_path = self.out / "state.pt"
         if state_path.exists():
-            state = torch.load(state_path, map_location=self.device, weights_only=True)
+            state = load_state(state_path, self.device)
             if state.get("init_from_sha256", "") != self.init_from_sha256:
                 raise SystemExit(f"{state_path} was trained from other --init-from weights (or none); pass the run's own --init-from")
             if state.get("tokenizer_sha256", self.tokenizer_sha256) != self.tokenizer_sha256:
@@ -479,8 +485,7 @@ def resumed_argv(rest: list[str]) -> list[str]:
     for flag in overrides[0::2]:
         if flag.split("=")[0] not in RESUME_OVERRIDES:
             raise SystemExit(f"--resume continues the run's own command; only {', '.join(RESUME_OVERRIDES)} may be given again, not {flag}")
-    state = torch.load(state_path, map_location="cpu", weights_only=True)
-    return [*json.loads(state["argv"]), *overrides]
+    return [*json.loads(load_state(state_path, torch.device("cpu"))["argv"]), *overrides]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
