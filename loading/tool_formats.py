@@ -58,7 +58,7 @@ class CallSyntax:
 def _json_object(text: str) -> dict[str, Any] | None:
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
         return None
     return value if isinstance(value, dict) else None
 
@@ -94,7 +94,7 @@ def mistral_calls(body: str, schemas: Schemas) -> list[ParsedCall] | None:
     if text.startswith("["):
         try:
             items = json.loads(text)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
             return None
         return _all([_call_of(item, "arguments") for item in items]) if isinstance(items, list) else None
     calls: list[ParsedCall | None] = []
@@ -105,7 +105,7 @@ def mistral_calls(body: str, schemas: Schemas) -> list[ParsedCall] | None:
             return None
         try:
             arguments, end = decoder.raw_decode(rest.lstrip())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
             return None
         calls.append(_call_of({"name": name.strip(), "arguments": arguments}, "arguments"))
         text = rest.lstrip()[end:].strip()
@@ -144,7 +144,7 @@ def _typed_value(text: str, schema: Any) -> Any:
         return text
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
         return text
 
 

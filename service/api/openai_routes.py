@@ -142,7 +142,7 @@ def chat_messages(bodies: list[ChatMessageBody]) -> tuple[ChatMessage, ...]:
         for call in calls:
             try:
                 arguments = json.loads(call.arguments)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
                 arguments = None
             if not isinstance(arguments, dict):
                 raise APIError(400, f"messages[{i}]: a tool call's arguments must be a JSON object", "messages")

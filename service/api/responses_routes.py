@@ -89,7 +89,7 @@ def input_messages(body: ResponsesRequest) -> tuple[ChatMessage, ...]:
         elif isinstance(item, FunctionCallItem):
             try:
                 arguments = json.loads(item.arguments)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested past Python's limit
                 arguments = None
             if not isinstance(arguments, dict):
                 raise APIError(400, "a function_call's arguments must be a JSON object", f"input.{i}.arguments")

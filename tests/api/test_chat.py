@@ -131,6 +131,7 @@ def CALL(arguments: str) -> dict[str, object]:  # noqa: N802
         ("/v1/chat/completions", {"messages": [{"role": "assistant"}]}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "4"}]}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [CALL("[1]")]}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [CALL("[" * 100_000 + "]" * 100_000)]}]}, "messages"),
         ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
         (
             "/v1/chat/completions",

@@ -214,6 +214,10 @@ def test_another_keys_response_does_not_exist_for_it() -> None:
         ({"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tool_choice"),
         ({"input": []}, "input"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input.0.arguments"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000 + "]" * 100_000}]},
+            "input.0.arguments",
+        ),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],

@@ -89,6 +89,8 @@ def test_mistrals_newer_form_and_json_true_false_null_in_pythonic_calls() -> Non
         ("pythonic", '[delete_all_files(path="/")]'),
         ("pythonic", '[get_weather(city=__import__("os").getcwd())]'),  # read as a literal or not at all, never run
         ("pythonic", '[get_weather("Köln")]'),
+        ("mistral", "[TOOL_CALLS]" + "[" * 5000 + "]" * 5000),  # nested past Python's limit: text, not a crash
+        ("pythonic", "[get_weather(city=" + "[" * 5000 + "]" * 5000 + ")]"),
     ],
 )
 def test_a_malformed_undeclared_or_unfinished_call_is_content(format: str, reply: str) -> None:
