@@ -70,8 +70,6 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
             if tool.type == "function":
                 raise APIError(400, "a function tool takes type, name, description, parameters and strict", f"tools.{i}")
             raise APIError(400, f"built-in tools ({tool.type}) are not supported; only function tools", f"tools.{i}.type")
-    if body.previous_response_id is not None and not isinstance(body.input, str) and not body.input:
-        raise APIError(400, "input must not be empty", "input")
 
 
 def input_messages(body: ResponsesRequest) -> tuple[ChatMessage, ...]:
