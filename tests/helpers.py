@@ -4,6 +4,9 @@ conftest.py files; the engine's fakes in tests/engine/helpers.py (which imports 
 or pydantic)."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -155,3 +158,30 @@ def served_in_thread(app: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join()
+
+
+SERVICE_START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
+
+
+@contextmanager
+def python_m_service(models: dict[str, Path]) -> Iterator[str]:
+    """`python -m service` on these folders (name -> folder), as a user starts it (its own Ray, one
+    torch thread, on the CPU), until it says it serves every model; yields its URL and stops it."""
+    port = free_port()
+    command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(free_port()), "--device", "cpu"]
+    command += ["--torch-threads", "1", *(arg for name, folder in models.items() for arg in ("--model", f"{name}={folder}"))]
+    environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+    assert process.stdout is not None
+    lines, deadline = [], time.monotonic() + SERVICE_START_TIMEOUT_S
+    try:
+        for line in process.stdout:  # "Serving on" once every model is ready
+            lines.append(line)
+            if line.startswith("Serving on"):
+                break
+            assert time.monotonic() < deadline, "".join(lines[-30:])
+        assert process.poll() is None, "".join(lines[-30:])
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

@@ -28,6 +28,7 @@ over the --minutes budget (wall time, validation included, summed over resumes) 
 """
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -37,7 +38,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -262,20 +263,13 @@ class Trainer:
         for old in sorted(self.out.glob("step-*"))[: -self.args.keep_snapshots]:
             shutil.rmtree(old)
 
-    def run(
-        self,
-        next_batch: Callable[[int], tuple[torch.Tensor, ...]],
-        loss_of: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, int]],
-        validate: Callable[[], dict[str, float]],
-        higher_is_better: bool,
-        training_info: Callable[[], dict[str, Any]],
-    ) -> None:
-        """Steps until --max-steps, the --minutes deadline (for cosine-minutes: of all runs together),
-        --patience validations without improvement, or SIGTERM / SIGINT (then the state is saved).
-        validate() returns the score as "val", and more figures for the history."""
+    @contextlib.contextmanager
+    def stopping_on_signals(self) -> Iterator[None]:
+        """Within it, SIGTERM and SIGINT stop run() after the step under way, and the state is then
+        saved; the caller's handlers come back at its end."""
         previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self.steps(next_batch, loss_of, validate, higher_is_better, training_info)
+            yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -287,10 +281,10 @@ class Trainer:
             )
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
-        """Signal handler: stop after the step under way (run() then saves the state)."""
+        """Signal handler: stop after the step under way (stopping_on_signals then saves the state)."""
         self.stop_signal = signum
 
-    def steps(
+    def run(
         self,
         next_batch: Callable[[int], tuple[torch.Tensor, ...]],
         loss_of: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, int]],
@@ -298,7 +292,9 @@ class Trainer:
         higher_is_better: bool,
         training_info: Callable[[], dict[str, Any]],
     ) -> None:
-        """run()'s loop, until a limit or a stop signal."""
+        """Steps until --max-steps, the --minutes deadline (for cosine-minutes: of all runs together),
+        --patience validations without improvement, or a stop signal (within stopping_on_signals).
+        validate() returns the score as "val", and more figures for the history."""
         args = self.args
         deadline = time.monotonic() + args.minutes * 60 - (self.wall if args.schedule == "cosine-minutes" else 0)
         bf16 = self.device.type == "cuda" or args.bf16
@@ -364,7 +360,8 @@ class Job:
     info: Callable[[], dict[str, Any]]
 
     def run(self) -> None:
-        self.trainer.run(self.next_batch, self.loss_of, self.validate, self.higher_is_better, self.info)
+        with self.trainer.stopping_on_signals():
+            self.trainer.run(self.next_batch, self.loss_of, self.validate, self.higher_is_better, self.info)
 
 
 def common_info(args: argparse.Namespace, trainer: Trainer, data_files: list[Path]) -> dict[str, Any]:

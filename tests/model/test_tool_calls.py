@@ -1,11 +1,8 @@
 """loading/tool_calls.py: the format a chat template asks for, the parser of calls in a reply
 (whole, and streamed in pieces cut anywhere; a call of a function not offered is content), and the
-grammar that forces a call: every reply it allows parses into calls of the given tools with
-arguments that match their parameters, their own $defs and root references included."""
+grammar that forces a call (random walks through it: tests/model/test_tool_formats.py), their own
+$defs and root references included."""
 
-import json
-
-import jsonschema
 import llguidance
 import pytest
 
@@ -147,37 +144,6 @@ def byte_tokenizer() -> llguidance.LLTokenizer:
             return list(text.encode() if isinstance(text, str) else text)
 
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Bytes()), n_vocab=257)
-
-
-@pytest.mark.parametrize(("format", "parallel"), [("hermes", True), ("hermes", False), ("llama3_json", False)])
-def test_the_forced_grammar_allows_only_calls_of_the_tools_with_valid_arguments(format: str, parallel: bool) -> None:
-    """Random walks through the grammar's allowed bytes end in replies the parser reads as calls
-    of the given tools whose arguments validate against their parameters."""
-    tokenizer = byte_tokenizer()
-    grammar = forced_call_grammar(format, [WEATHER, TIME], parallel, JSON_OPTIONS)  # type: ignore[arg-type]
-    assert llguidance.LLMatcher.validate_grammar(grammar, tokenizer) == ""
-    schemas = {WEATHER.name: WEATHER.parameters, TIME.name: TIME.parameters}
-    for walk in range(20):
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        reply = bytearray()
-        while not matcher.is_stopped():
-            mask = matcher.compute_bitmask()
-            allowed = [t for t in range(257) if mask[t // 8] >> (t % 8) & 1]
-            if 256 in allowed or len(reply) > 2000:
-                break  # the first place the reply may end (a walk through a string could go on for long)
-            token = allowed[(walk * 7919 + len(reply) * 104729) % len(allowed)]  # a deterministic walk
-            assert matcher.consume_token(token)
-            reply.append(token)
-        assert matcher.is_accepting()
-        content, calls = parse_in_pieces(format, reply.decode(), 4)
-        assert content == "" and calls, reply
-        assert len(calls) == 1 or parallel
-        for call in calls:
-            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
-        streamed_content, streamed = parse_in_pieces(format, reply.decode(), 3, stream_arguments=True)
-        assert streamed_content == "" and [(c.name, json.loads(c.arguments)) for c in streamed] == [
-            (c.name, json.loads(c.arguments)) for c in calls
-        ]
 
 
 def test_parallel_calls_follow_one_another() -> None:

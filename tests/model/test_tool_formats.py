@@ -10,7 +10,7 @@ import jsonschema
 import llguidance
 import pytest
 
-from loading.tool_calls import FunctionTool, tool_call_format
+from loading.tool_calls import STREAMED, FunctionTool, tool_call_format
 from loading.tool_formats import ParsedCall, Schemas
 from loading.tool_grammars import forced_call_grammar
 from tests.model.test_tool_calls import byte_tokenizer, parse_in_pieces
@@ -151,6 +151,11 @@ def test_the_forced_grammar_allows_only_calls_of_the_tools_with_valid_arguments(
         assert len(calls) == 1 or parallel
         for call in calls:
             jsonschema.validate(json.loads(call.arguments), DECLARED[call.name])
+        if format in STREAMED:  # the same calls, their arguments as the model wrote them
+            streamed_content, streamed = parse_in_pieces(format, reply, 3, DECLARED, stream_arguments=True)
+            assert streamed_content == "" and [(c.name, json.loads(c.arguments)) for c in streamed] == [
+                (c.name, json.loads(c.arguments)) for c in calls
+            ]
 
 
 def accepts(grammar: str, reply: str) -> bool:

@@ -9,11 +9,7 @@ within their schemas, and a call of an undeclared tool kept as text."""
 
 import asyncio
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +25,9 @@ from transformers import AutoTokenizer
 
 from benchmarks import hostile
 from loading.hf_tokenizers import FastTextTokenizer
-from loadtests.cluster import free_port
+from tests.helpers import python_m_service
 from tests.hf_folders import build_llama_folder
 
-START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
 # A small Qwen2 trained here (python -m evals.chat_tools.train) whose JSON answers run on past the
 # asked keys and whose tool calls invent arguments and obey a user who names an undeclared tool:
 # what a random-weight model, picking any allowed token alike, never shows.
@@ -86,25 +81,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "chat_template": QWEN25_TEMPLATE}, indent=1))
     llama = build_llama_folder(folders / "llama-tiny")  # Llama 3's chat template, which never reads tools
-    port = free_port()
-    command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(free_port()), "--device", "cpu"]
-    command += ["--torch-threads", "1", "--model", f"qwen-tools={qwen}", "--model", f"llama-tiny={llama}"]
-    command += ["--model", f"chat-tools={CHAT_TOOLS}"]
-    environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as a user's command starts
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
-    assert process.stdout is not None
-    lines, deadline = [], time.monotonic() + START_TIMEOUT_S
-    try:
-        for line in process.stdout:  # "Serving on" once every model is ready
-            lines.append(line)
-            if line.startswith("Serving on"):
-                break
-            assert time.monotonic() < deadline, "".join(lines[-30:])
-        assert process.poll() is None, "".join(lines[-30:])
-        yield Served(f"http://127.0.0.1:{port}", qwen)
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    with python_m_service({"qwen-tools": qwen, "llama-tiny": llama, "chat-tools": CHAT_TOOLS}) as url:
+        yield Served(url, qwen)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,6 @@ validate; Mistral's 9-character call ids; the call sent back with its result (th
 it); automatic tool choice answering; the Responses API on one of them."""
 
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +17,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from loading.hf_tokenizers import FastTextTokenizer
-from loadtests.cluster import free_port
+from tests.helpers import python_m_service
 from tests.hf_folders import build_llama_folder
 from tests.service.test_structured_outputs import joined_call_deltas
 
-START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
 TEMPLATES = Path(__file__).parent / "templates"
 # Each format's model: its template, and the markers its vocabulary holds as special tokens.
 FORMATS: dict[str, tuple[str, list[str]]] = {
@@ -72,37 +67,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def client(folders: dict[str, Path]) -> Iterator[openai.OpenAI]:
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "service",
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(free_port()),
-        "--device",
-        "cpu",
-        "--torch-threads",
-        "1",
-    ]
-    for name, folder in folders.items():
-        command += ["--model", f"{name}={folder}"]
-    environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as a user's command starts
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
-    assert process.stdout is not None
-    lines, deadline = [], time.monotonic() + START_TIMEOUT_S
-    try:
-        for line in process.stdout:  # "Serving on" once every model is ready
-            lines.append(line)
-            if line.startswith("Serving on"):
-                break
-            assert time.monotonic() < deadline, "".join(lines[-30:])
-        assert process.poll() is None, "".join(lines[-30:])
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    with python_m_service(folders) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def test_each_folders_format_is_read_from_its_template_and_its_special_markers_are_kept(folders: dict[str, Path]) -> None:
