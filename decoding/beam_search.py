@@ -1,8 +1,8 @@
-"""Beam search for the translator, batched across sentences, with cache reordering.
+"""Beam search's bookkeeping for the translator, batched across sentences.
 
-`BeamState` is the per-sentence bookkeeping (live beams, finished hypotheses); the offline
-`beam_search` drives many of them over one preallocated cache, and the serving engine drives
-them the same way over its slots.
+`BeamState` is one sentence's live beams and finished hypotheses, `step_beams` one step of many
+sentences' searches: the serving engine drives them over its slots (service/engine/runner.py),
+the plain reference (decoding/reference_decoding.py) over recomputed prefixes.
 """
 
 from dataclasses import dataclass
@@ -10,11 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from decoding.sampling import suppress, suppressed_index
 from decoding.top_k_cpu import row_top_k
-from model.kv_cache import KVCache
-from model.masks import padding_mask
-from model.translator import Translator
 
 
 @dataclass
@@ -103,43 +99,3 @@ def step_beams(states: list[BeamState], logits: Tensor, rows: Tensor | None = No
             states[i].advance(step_parents, step_tokens, step_scores, step_endings)
             moves[i] = (step_parents, step_tokens)
     return moves
-
-
-@torch.no_grad()
-def beam_search(
-    model: Translator, src: Tensor, beam_size: int, max_new_tokens: int | list[int], length_penalty: float = 1.0, n_best: int = 1
-) -> list[list[Hypothesis]]:
-    """Translates src (B, S), right-padded with the model's pad_id; returns the n_best hypotheses of
-    each sentence. max_new_tokens: one limit for all, or one per sentence. The config's
-    suppressed_ids are never generated."""
-    B, K = src.shape[0], beam_size
-    c = model.config
-    limits = [min(m, c.max_len - 1) for m in (max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B)]
-    max_new_tokens = max(limits)
-    memory = model.encode(src).repeat_interleave(K, dim=0)  # (B*K, S, d)
-    memory_kv = model.cross_key_values(memory)
-    src_mask = padding_mask(src, c.pad_id).repeat_interleave(K, dim=0)  # (B*K, 1, 1, S)
-    n_layers = len(model.decoder_layers)
-    cache = KVCache(n_layers, B * K, c.n_heads, max_new_tokens + 1, c.head_dim, src.device, memory.dtype)
-    states = [BeamState(K, limit, c.eos_id, length_penalty) for limit in limits]
-    suppressed = suppressed_index(c.suppressed_ids, src.device)
-    tokens = torch.full((B * K,), c.start_id, dtype=torch.long, device=src.device)
-    for t in range(max_new_tokens):
-        active = [i for i, s in enumerate(states) if not s.done]
-        if not active:
-            break
-        rows = torch.cat([torch.arange(i * K, (i + 1) * K) for i in active]).to(src.device)  # (A*K,)
-        positions = torch.full((len(rows), 1), t, device=src.device)
-        logits = model.decode(
-            tokens[rows][:, None],
-            [(k[rows], v[rows]) for k, v in memory_kv],
-            src_mask[rows],
-            positions=positions,
-            caches=list(cache.views(rows, positions, t + 1)),
-            cache_length=t + 1,
-        )  # (A*K, 1, V)
-        moves = step_beams([states[i] for i in active], suppress(logits[:, -1].float(), suppressed))
-        src_rows = [p + i * K for i, (parents, _) in zip(active, moves, strict=True) for p in parents]
-        cache.copy_slots(torch.tensor(src_rows, device=src.device), rows)
-        tokens[rows] = torch.tensor([t for _, step_tokens in moves for t in step_tokens], device=src.device)
-    return [s.best(n_best) for s in states]

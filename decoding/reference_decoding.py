@@ -1,12 +1,13 @@
 """Decoding by full recomputation: the plain path that cached decoding is checked against.
 
-Both follow the model's config: the translator's decoder starts from start_id and stops at eos_id,
+They follow the model's config: the translator's decoder starts from start_id and stops at eos_id,
 and suppressed_ids are never generated.
 """
 
 import torch
 from torch import Tensor
 
+from decoding.beam_search import BeamState, Hypothesis, step_beams
 from decoding.sampling import suppress, suppressed_index
 from model.generator import Generator
 from model.masks import padding_mask
@@ -38,6 +39,28 @@ def greedy_translate_uncached(model: Translator, src: Tensor, max_new_tokens: in
     for row in tgt[:, 1:].tolist():
         out.append(row[: row.index(c.eos_id)] if c.eos_id in row else row)
     return out
+
+
+@torch.no_grad()
+def beam_search_uncached(
+    model: Translator, src: Tensor, beam_size: int, max_new_tokens: int, length_penalty: float = 1.0, n_best: int = 1
+) -> list[list[Hypothesis]]:
+    """Beam search of each sentence of src (B, S), right-padded with the model's pad_id, recomputing
+    every beam's whole prefix every step; the bookkeeping (BeamState, step_beams) is the engine's.
+    Returns each sentence's n_best hypotheses, best first."""
+    c = model.config
+    K = beam_size
+    memory_kv = [(k.repeat_interleave(K, 0), v.repeat_interleave(K, 0)) for k, v in model.cross_key_values(model.encode(src))]
+    src_mask = padding_mask(src, c.pad_id).repeat_interleave(K, 0)  # (B K, 1, 1, S): a row per beam
+    suppressed = suppressed_index(c.suppressed_ids, src.device)
+    states = [BeamState(K, min(max_new_tokens, c.max_len - 1), c.eos_id, length_penalty) for _ in range(src.shape[0])]
+    while active := [i for i, state in enumerate(states) if not state.done]:
+        rows = torch.tensor([i * K + k for i in active for k in range(K)], device=src.device)
+        prefixes = [[c.start_id, *sequence] for i in active for sequence in states[i].sequences]  # one length: a step each
+        tgt = torch.tensor(prefixes, device=src.device)  # (A K, t + 1)
+        logits = model.decode(tgt, [(k[rows], v[rows]) for k, v in memory_kv], src_mask[rows])[:, -1]  # (A K, V)
+        step_beams([states[i] for i in active], suppress(logits.float(), suppressed))
+    return [state.best(n_best) for state in states]
 
 
 @torch.no_grad()

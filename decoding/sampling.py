@@ -86,26 +86,51 @@ def sample_next(logits: Tensor, params: list[SamplingParams], generators: list[t
     tensor operations, then one uniform draw per row from its own generator (a seeded row draws
     the same whatever shares its batch), inverted through the row's cumulative probabilities.
     NaN or infinite logits (a poisoned row) fall back to the row's argmax of the finite values.
+    Each pass over a (B, V) tensor counts at this size: the finite rows (all, in practice) take
+    no cleaning pass, and the sampled ones no argmax.
     """
     logits = logits.float()
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    # Greedy rows without NaN or +inf (one max over the batch) need no cleaned copy of the logits.
-    if rows or not logits.numel() or not bool(logits.amax() < float("inf")):
-        logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-    tokens = greedy_ids(logits)  # (B,)
+    if len(rows) < len(params) and (not logits.numel() or not bool(logits.amax() < float("inf"))):
+        logits = _finite(logits)  # greedy rows without NaN or +inf (one max over the batch) need no cleaned copy
+    tokens = greedy_ids(logits) if len(rows) < len(params) else torch.zeros(len(params), dtype=torch.long, device=logits.device)
     if not rows:
         return tokens
     device = logits.device
     index = torch.tensor(rows, device=device)
-    temperature = torch.tensor([params[i].temperature for i in rows], device=device)
-    top_k = torch.tensor([params[i].top_k for i in rows], device=device)
-    top_p = torch.tensor([params[i].top_p for i in rows], device=device)
-    min_p = torch.tensor([params[i].min_p for i in rows], device=device)
-    probs = filter_logits(logits.index_select(0, index) / temperature[:, None], top_k, top_p, min_p).softmax(-1)  # (S, V)
+    sampled = _draw(
+        logits if len(rows) == len(params) else logits.index_select(0, index), [params[i] for i in rows], [generators[i] for i in rows]
+    )
+    return tokens.index_put((index,), sampled)
+
+
+def _finite(logits: Tensor) -> Tensor:
+    """A copy of logits (R, V) with NaN at -inf and +inf at the largest float: what an argmax reads."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+
+
+def _draw(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row of logits (S, V), each sampled by its params from one uniform of its generator."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    top_k = torch.tensor([p.top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
     # Draws on the CPU generators, so the same seed gives the same token on every device.
-    uniform = torch.cat([torch.rand(1, generator=generators[i]) for i in rows]).to(device)  # (S,)
+    uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)  # (S,)
+    probs = filter_logits(logits / temperature[:, None], top_k, top_p, min_p).softmax(-1)  # (S, V)
     cumulative = probs.cumsum(-1)  # (S, V)
-    drawn = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
-    drawn = torch.where(probs.gather(1, drawn[:, None])[:, 0] > 0, drawn, probs.argmax(-1))  # never a token of probability 0
-    finite = torch.isfinite(probs).all(-1)  # (S,)
-    return tokens.index_put((index,), torch.where(finite, drawn, tokens.index_select(0, index)))
+    fallback = None
+    if not bool(torch.isfinite(cumulative[:, -1]).all()):  # NaN or +inf logits: drawn from the cleaned rows instead
+        logits = _finite(logits)
+        probs = filter_logits(logits / temperature[:, None], top_k, top_p, min_p).softmax(-1)
+        cumulative = probs.cumsum(-1)
+        fallback = greedy_ids(logits)  # for a row that stays poisoned (every logit NaN, or overflowing its temperature)
+    finite = torch.isfinite(cumulative[:, -1])  # (S,)
+    cumulative = cumulative if fallback is None else torch.where(finite[:, None], cumulative, 1.0)
+    total = cumulative[:, -1]
+    drawn = torch.searchsorted(cumulative, (uniform * total)[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)  # (S,)
+    zero = probs.gather(1, drawn[:, None])[:, 0] <= 0  # rounding drew a token of probability 0: the row's most likely instead
+    if bool(zero.any()):
+        drawn = torch.where(zero, probs.nan_to_num(-1.0).argmax(-1), drawn)
+    return drawn if fallback is None else torch.where(finite, drawn, fallback)

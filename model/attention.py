@@ -7,7 +7,6 @@ a float mask is added to the scores (ALiBi biases, -inf for blocked keys).
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -15,12 +14,6 @@ from torch import Tensor, nn
 
 from model.kv_cache import PagedLayer, SourceLayer
 from model.positions import apply_rope
-
-
-class SelfAttentionCache(Protocol):
-    """A layer's key/value store: writes the new keys/values, returns every key/value to attend to."""
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 def scaled_dot_product_attention(
@@ -137,16 +130,16 @@ class MultiHeadAttention(nn.Module):
         key_value: tuple[Tensor, Tensor] | SourceLayer | None = None,
         mask: Tensor | Segments | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
-        cache: SelfAttentionCache | None = None,
+        cache: PagedLayer | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, d_model) queries. key_value: projected keys/values for cross-attention
         (from `project_key_value`), or a SourceLayer (a paged translator step's: one query per row,
-        read by the CPU decode kernel, no mask); None means self-attention over x (and the cache, if given).
+        read by the CPU decode kernel, no mask); None means self-attention over x (or over the cache).
         mask: as scaled_dot_product_attention's, or Segments (self-attention of sequences side by
         side in x, B = 1).
         rope: (cos, sin) at the query positions, (B, 1, T, R), applied to self-attention queries and keys.
-        The cache holds Hkv heads; a PagedLayer (a paged step's, model/kv_cache.py) takes the keys
+        cache: a PagedLayer (a paged step's, model/kv_cache.py, Hkv heads) takes the keys
         and attends each sequence over its own: x's B x T tokens are the step's, row by row (a
         ragged step's (1, N, d_model), or one token per row (R, 1, d_model)).
         Returns (B, T, d_model) and the weights (B, H, T, S) when asked for.
@@ -164,14 +157,12 @@ class MultiHeadAttention(nn.Module):
             return self.out_proj(out.view(B, T, self.n_heads * self.head_dim)), None
         if key_value is None:
             q, k, v = self._project_self(x, rope)  # (B, H, T, D), (B, Hkv, T, D) twice
-            if cache is not None:
-                k, v = cache.update(k, v)  # (B, Hkv, S, D): everything this sequence may attend to
         else:
             q, (k, v) = self._split_heads(self.q_proj(x)), key_value  # (B, H, T, D)
         dropout = self.dropout if self.training else 0.0
         weights = None
         if isinstance(mask, Segments):
-            assert key_value is None and cache is None and not self.training, "Segments: self-attention, for inference"
+            assert key_value is None and not self.training, "Segments: self-attention, for inference"
             out = mask.attend(q, k, v)
         elif self.use_sdpa and not need_weights:
             grouped = self.n_kv_heads != self.n_heads

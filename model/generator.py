@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
-from model.attention import MultiHeadAttention, SelfAttentionCache
+from model.attention import MultiHeadAttention
 from model.config import GeneratorConfig
 from model.kv_cache import PagedLayer
 from model.layers import DecoderLayer, FeedForward, make_norm, project_logits
@@ -65,22 +65,14 @@ class Generator(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(
-        self,
-        ids: Tensor,
-        positions: Tensor | None = None,
-        caches: Sequence[SelfAttentionCache] | None = None,
-        cache_length: int = 0,
-    ) -> Tensor:
-        """Next-token logits (B, T, vocab) for every position of ids (B, T).
-
-        Without caches, ids is the whole (right-padded) sequence from position 0. With caches,
-        ids are new tokens at `positions` (B, T), attending to cache_length cached keys.
-        """
-        positions, mask, rope = self.positions.causal_self_attention(ids, positions, cache_length if caches is not None else None)
+    def forward(self, ids: Tensor) -> Tensor:
+        """Next-token logits (B, T, vocab) for every position of ids (B, T), the whole (right-padded)
+        sequences from position 0: training, scoring and the plain reference decoder. Serving
+        decodes through `forward_ragged` over the paged cache."""
+        positions, mask, rope = self.positions.causal_self_attention(ids)
         x = self.dropout(self.positions.embed(self.embed(ids), positions))  # (B, T, d)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, mask, rope, caches[i] if caches is not None else None)
+        for layer in self.layers:
+            x = layer(x, mask, rope)
         head = self.output_projection if self.output_projection is not None else self.lm_head
         return project_logits(self.final_norm(x), self.embed, head)
 
@@ -88,10 +80,18 @@ class Generator(nn.Module):
         """Next-token logits (R, vocab) at logit_rows (R,) of one ragged step: ids and positions (N,)
         are the step's new tokens of every sequence, flattened (model/kv_cache.py ragged_step).
         Only the rows asked for go through the output projection. Inference only (no dropout)."""
+        return self.logits(self.hidden_ragged(ids, positions, layers, logit_rows))
+
+    def hidden_ragged(self, ids: Tensor, positions: Tensor, layers: Sequence[PagedLayer], rows: Tensor) -> Tensor:
+        """forward_ragged's final hidden states (R, d) at rows (R,), before the output projection."""
         ids, positions = ids[None], positions[None]  # (1, N)
         rope = self.positions.rope(positions)
         x = self.positions.embed(self.embed(ids), positions)  # (1, N, d)
         for layer, cache in zip(self.layers, layers, strict=True):
             x = layer(x, None, rope, cache)
+        return self.final_norm(x[0].index_select(0, rows))  # (R, d)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """(R, d) final hidden states -> (R, vocab) next-token logits."""
         head = self.output_projection if self.output_projection is not None else self.lm_head
-        return project_logits(self.final_norm(x[0].index_select(0, logit_rows))[None], self.embed, head)[0]  # (R, V)
+        return project_logits(hidden[None], self.embed, head)[0]

@@ -1,8 +1,6 @@
-"""Preallocated key/value caches with fixed shapes, written in place at given positions.
-
-Every decode step sees tensors of the same shape (slots x heads x max_len x head_dim per
-layer), so memory is bounded by configuration and the GPU path can capture the step.
-"""
+"""Key/value caches: the translator's cross-attention keys per slot (preallocated, fixed
+shapes), and the paged self-attention keys of every sequence (blocks handed out by
+service/engine/kv_blocks.py), with the index plumbing of a ragged step over them."""
 
 import itertools
 from collections.abc import Sequence
@@ -13,55 +11,26 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import paged_attention_cpu
+from model.positions import alibi_bias
 
 
-def cache_rows(slots: Sequence[int] | Tensor, device: torch.device) -> tuple[Tensor, Tensor | slice]:
-    """Slots as an index tensor (for writes) and as a reader: a slice when a list of slots is
-    ascending at a fixed stride (consecutive, or every k-th), so that reading the rows is a view
-    instead of a gathered copy."""
+def cache_rows(slots: Sequence[int] | Tensor, device: torch.device) -> Tensor | slice:
+    """Slots as a reader of cache rows: a slice when a list of slots is ascending at a fixed stride
+    (consecutive, or every k-th), so that reading the rows is a view instead of a gathered copy;
+    else an index tensor."""
     if isinstance(slots, Tensor):
-        return slots, slots
-    index = torch.tensor(slots, device=device)
+        return slots
     first, stride = slots[0], (slots[1] - slots[0] if len(slots) > 1 else 1)
-    evenly_spaced = stride > 0 and list(slots) == list(range(first, first + stride * len(slots), stride))
-    return index, slice(first, first + stride * len(slots), stride) if evenly_spaced else index
+    if stride > 0 and list(slots) == list(range(first, first + stride * len(slots), stride)):
+        return slice(first, first + stride * len(slots), stride)
+    return torch.tensor(slots, device=device)
 
 
-def read_rows(cache: Tensor, rows: Tensor | slice, length: int) -> Tensor:
-    """cache (N, H, L, D) -> (B, H, length, D): a view for a slice of rows, else a gathered copy
-    (index_select: several times faster on the CPU than indexing with the tensor)."""
-    if isinstance(rows, slice):
-        return cache[rows, :, :length]
-    return cache[:, :, :length].index_select(0, rows)
-
-
-@dataclass
-class CacheView:
-    """One layer's cache, bound to the rows (slots) and positions of the current step."""
-
-    keys: Tensor  # (N, H, L, D) the layer's whole cache
-    values: Tensor
-    slots: Tensor  # (B,) cache rows of the batch
-    rows: Tensor | slice  # the same rows for reading: a slice (a view, no copy) when they are consecutive
-    positions: Tensor  # (B, T) positions of the new tokens
-    length: int  # keys [0, length) are returned to attend over
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """k, v: (B, H, T, D) for the new tokens. Returns (B, H, length, D) each."""
-        rows = self.slots[:, None]  # (B, 1) broadcast against positions (B, T)
-        self.keys[rows, :, self.positions] = k.transpose(1, 2).to(self.keys.dtype)  # indexed as (B, T, H, D)
-        self.values[rows, :, self.positions] = v.transpose(1, 2).to(self.values.dtype)
-        return read_rows(self.keys, self.rows, self.length), read_rows(self.values, self.rows, self.length)
-
-
-class LayerCaches:
-    """Keys and values for n_slots rows of `length` positions, every layer, preallocated:
-    (n_slots, H, length, D) each (`layout`)."""
-
-    @staticmethod
-    def layout(n_slots: int, n_heads: int, length: int, head_dim: int) -> tuple[int, int, int, int]:
-        """The shape of each layer's keys (and values)."""
-        return (n_slots, n_heads, length, head_dim)
+class CrossAttentionCache:
+    """The translator's cross-attention keys/values per slot for sources of up to `length` tokens,
+    computed once from the encoder output, and which source positions are real tokens (a prefix:
+    sources are right-padded). Laid out as the paged decode kernel reads a pool, (n_slots, length,
+    H, D) per layer, preallocated: a slot's source is one block of `length` positions."""
 
     def __init__(
         self,
@@ -73,61 +42,16 @@ class LayerCaches:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        shape = self.layout(n_slots, n_heads, length, head_dim)
+        shape = (n_slots, length, n_heads, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.n_slots, self.length = n_slots, length
-
-    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
-        """Row dst[i] becomes a copy of row src[i] (beam search reordering); sources are read first."""
-        for cache in self.keys + self.values:
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+        self.src_valid = torch.zeros(self.n_slots, self.length, dtype=torch.bool, device=self.keys[0].device)
+        self.decode_kernel = paged_attention_cpu.applies(self.keys[0])  # one-token queries attend through the CPU kernel
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-
-class KVCache(LayerCaches):
-    """Self-attention keys/values for n_slots sequences of up to max_len (= length) tokens."""
-
-    @property
-    def max_len(self) -> int:
-        return self.length
-
-    def views(self, slots: Sequence[int] | Tensor, positions: Tensor, length: int) -> list[CacheView]:
-        """Per-layer views for a step writing `positions` (B, T) of rows `slots` (B,).
-
-        Evenly spaced ascending slots given as a list are read through a slice, without gathering.
-        """
-        assert length <= self.max_len, "keys beyond the cache"  # positions are checked by the caller (no device sync here)
-        index, rows = cache_rows(slots, self.keys[0].device)
-        return [CacheView(k, v, index, rows, positions, length) for k, v in zip(self.keys, self.values, strict=True)]
-
-
-class CrossAttentionCache(LayerCaches):
-    """The translator's cross-attention keys/values per slot for sources of up to `length` tokens,
-    computed once from the encoder output, and which source positions are real tokens (a prefix:
-    sources are right-padded). Laid out as the paged decode kernel reads a pool, (n_slots, length,
-    H, D) per layer: a slot's source is one block of `length` positions."""
-
-    @staticmethod
-    def layout(n_slots: int, n_heads: int, length: int, head_dim: int) -> tuple[int, int, int, int]:
-        return (n_slots, length, n_heads, head_dim)
-
-    def __init__(
-        self,
-        n_layers: int,
-        n_slots: int,
-        n_heads: int,
-        length: int,
-        head_dim: int,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        super().__init__(n_layers, n_slots, n_heads, length, head_dim, device, dtype)
-        self.src_valid = torch.zeros(self.n_slots, self.length, dtype=torch.bool, device=self.keys[0].device)
-        self.decode_kernel = paged_attention_cpu.applies(self.keys[0])  # one-token queries attend through the CPU kernel
 
     def write(self, slots: Sequence[Sequence[int]], lengths: Sequence[int], memory_kv: Sequence[tuple[Tensor, Tensor]]) -> None:
         """Sources side by side: the i-th of lengths[i] tokens, its keys and values written to each of
@@ -152,7 +76,7 @@ class CrossAttentionCache(LayerCaches):
     def read(self, slots: Sequence[int] | Tensor, length: int) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
         """Keys/values (B, H, length, D) per layer (views for evenly spaced slots) and the source
         mask (B, 1, 1, length)."""
-        _, rows = cache_rows(slots, self.src_valid.device)
+        rows = cache_rows(slots, self.src_valid.device)
 
         def rows_of(cache: Tensor) -> Tensor:  # (N, L, H, D) -> (B, H, length, D)
             read = cache[rows, :length] if isinstance(rows, slice) else cache[:, :length].index_select(0, rows)
@@ -176,7 +100,9 @@ class CrossAttentionCache(LayerCaches):
         return [SourceLayer(k, v, blocks, lengths) for k, v in zip(self.keys, self.values, strict=True)]
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
-        super().copy_slots(src, dst)
+        """Slot dst[i] becomes a copy of slot src[i]; sources are read first."""
+        for cache in self.keys + self.values:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
         self.src_valid[dst] = self.src_valid[src]
 
 
@@ -243,12 +169,6 @@ class PagedKVCache:
         return [PagedLayer(k, v, step, self.decode_kernel) for k, v in zip(self.keys, self.values, strict=True)]
 
 
-def slots_of(block_tables: Tensor, positions: Tensor, block_size: int) -> Tensor:
-    """Flat cache slots (B, K) of positions (B, K) of the B sequences whose tables (B, nb) are given:
-    table[position // block_size] * block_size + position % block_size."""
-    return block_tables.gather(1, positions // block_size) * block_size + positions % block_size
-
-
 @dataclass
 class DecodeGroup:
     """The step's one-token queries, attended together: each row's keys gathered block by block
@@ -292,18 +212,14 @@ def ragged_step(
     """The step of sequences each computing query_lens[i] tokens after starts[i] cached ones, their
     blocks in block_tables[i]; rows of the flat batch follow that order. alibi_slopes (H,): the
     distance penalty folded into the masks."""
-    # The index lists are built in Python: a step has few sequences, and a torch operation per
-    # sequence costs more than the arithmetic.
+    # Built on the CPU from Python lists, whole-batch operations only: never a torch operation per sequence.
     width = max(len(t) for t in block_tables)
-    padded = [t + [0] * (width - len(t)) for t in block_tables]  # the null block past a table's end
-    slots = [
-        table[p // block_size] * block_size + p % block_size
-        for table, s, n in zip(padded, starts, query_lens, strict=True)
-        for p in range(s, s + n)
-    ]
-    slot_mapping = torch.tensor(slots, device=device)  # (N,)
-    tables = torch.tensor(padded)  # (S, nb)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])  # (S, nb): the null block past a table's end
     firsts = list(itertools.accumulate(query_lens, initial=0))[:-1]  # each sequence's first row
+    lens = torch.tensor(query_lens)  # (S,)
+    owner = torch.repeat_interleave(torch.arange(len(query_lens)), lens)  # (N,) each token's sequence
+    positions = torch.arange(len(owner)) - torch.tensor(firsts)[owner] + torch.tensor(starts)[owner]  # (N,)
+    slot_mapping = cache_slots(tables[owner], positions, block_size).to(device)  # (N,)
     one = [i for i, n in enumerate(query_lens) if n == 1]
     decodes = None
     if one:
@@ -339,16 +255,16 @@ def decode_group(rows: Tensor, key_blocks: Tensor, lengths: Tensor, block_size: 
     return DecodeGroup(rows, key_blocks, lengths, mask)
 
 
-def decode_slots(key_blocks: Tensor, positions: Tensor, block_size: int) -> Tensor:
-    """(B,) flat cache slot of each row's new key, at positions (B,) of its key_blocks (B, nb)."""
+def cache_slots(key_blocks: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    """(N,) flat cache slot of each new token's key, at positions (N,) of its sequence's key_blocks
+    (N, nb): table[position // block_size] * block_size + position % block_size (the slot mapping)."""
     blocks = key_blocks.gather(1, (positions // block_size)[:, None])[:, 0]  # (B,)
     return blocks * block_size + positions % block_size
 
 
 def _alibi_mask(slopes: Tensor, query_positions: Tensor, key_positions: Tensor, allowed: Tensor) -> Tensor:
-    """ALiBi's -slope * distance (B, H, Tq, Tk), -inf where not allowed ((B, Tq, Tk) or (B, Tk) for Tq = 1)."""
-    distance = (query_positions[:, :, None] - key_positions[:, None, :]).abs()  # (B, Tq, Tk)
-    bias = -slopes[None, :, None, None] * distance[:, None].to(slopes.dtype)
+    """ALiBi's bias (B, H, Tq, Tk) (model/positions.py), -inf where not allowed ((B, Tq, Tk) or (B, Tk) for Tq = 1)."""
+    bias = alibi_bias(slopes, query_positions, key_positions)
     allowed = allowed if allowed.dim() == 3 else allowed[:, None, :]
     return bias.masked_fill(~allowed[:, None], float("-inf"))
 

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import MultiHeadAttention, Segments, SelfAttentionCache
+from model.attention import MultiHeadAttention, Segments
 from model.config import Activation, Norm
-from model.kv_cache import SourceLayer
+from model.kv_cache import PagedLayer, SourceLayer
 
 ACTIVATIONS: dict[Activation, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
@@ -132,7 +132,7 @@ class DecoderLayer(nn.Module):
         x: Tensor,
         self_mask: Tensor | None,
         rope: tuple[Tensor, Tensor] | None = None,
-        cache: SelfAttentionCache | None = None,
+        cache: PagedLayer | None = None,
         memory_kv: tuple[Tensor, Tensor] | SourceLayer | None = None,
         memory_mask: Tensor | None = None,
         memory_group: int = 1,

@@ -12,12 +12,3 @@ def padding_mask(ids: Tensor, pad_id: int) -> Tensor:
 def causal_mask(length: int, device: torch.device | None = None) -> Tensor:
     """Position t sees positions <= t. Returns (1, 1, T, T)."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
-
-
-def positions_mask(query_positions: Tensor, key_length: int) -> Tensor:
-    """Causal mask for queries at absolute positions into a cache of key_length slots.
-
-    query_positions: (B, T) -> (B, 1, T, key_length); key j is visible to a query at p iff j <= p.
-    """
-    keys = torch.arange(key_length, device=query_positions.device)
-    return (keys[None, None, :] <= query_positions[:, :, None])[:, None]

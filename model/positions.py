@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import RopeScaling, SinusoidLayout
-from model.masks import causal_mask, positions_mask
+from model.masks import causal_mask
 
 
 def sinusoidal_table(max_len: int, d_model: int, layout: SinusoidLayout = "interleaved") -> Tensor:
@@ -156,23 +156,11 @@ class PositionEncoder(nn.Module):
             return None
         return self.cos[positions][:, None], self.sin[positions][:, None]
 
-    def causal_self_attention(
-        self, ids: Tensor, positions: Tensor | None, cache_length: int | None
-    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-        """(positions, mask, rope) for causal self-attention over ids (B, T).
-
-        positions defaults to 0..T-1. Without a cache (cache_length None) queries attend to ids
-        themselves; with one, to cache_length cached keys at absolute positions.
-        """
+    def causal_self_attention(self, ids: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        """(positions, mask, rope) for causal self-attention over ids (B, T) at positions 0..T-1."""
         B, T = ids.shape
-        if positions is None:
-            positions = torch.arange(T, device=ids.device).expand(B, T)
-        if cache_length is None:
-            mask, key_positions = causal_mask(T, ids.device), positions
-        else:
-            mask = positions_mask(positions, cache_length)
-            key_positions = torch.arange(cache_length, device=ids.device).expand(B, cache_length)
-        return positions, self.bias(mask, positions, key_positions), self.rope(positions)
+        positions = torch.arange(T, device=ids.device).expand(B, T)
+        return positions, self.bias(causal_mask(T, ids.device), positions, positions), self.rope(positions)
 
     def bias(self, mask: Tensor, query_positions: Tensor, key_positions: Tensor) -> Tensor:
         """Folds ALiBi's distance penalty into a boolean mask; returns the mask unchanged otherwise."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from model.attention import MultiHeadAttention, Segments, SelfAttentionCache
+from model.attention import MultiHeadAttention, Segments
 from model.config import TranslatorConfig
 from model.kv_cache import PagedLayer, SourceLayer
 from model.layers import DecoderLayer, EncoderLayer, project_logits
@@ -98,7 +98,7 @@ class Translator(nn.Module):
         memory_kv: Sequence[tuple[Tensor, Tensor]] | Sequence[SourceLayer],
         src_mask: Tensor | None,
         positions: Tensor | None = None,
-        caches: Sequence[SelfAttentionCache] | Sequence[PagedLayer] | None = None,
+        caches: Sequence[PagedLayer] | None = None,
         cache_length: int = 0,
         memory_group: int = 1,
     ) -> Tensor:
@@ -106,19 +106,16 @@ class Translator(nn.Module):
 
         tgt_ids: (B, T) starting with bos. memory_kv from `cross_key_values`; src_mask (B, 1, 1, S);
         or, in a paged step, the cross-attention cache's SourceLayers and no mask.
-        Without caches the whole prefix is given; with caches, tgt_ids are the new tokens at
-        `positions` (B, T) and keys come from the caches (cache_length keys each; a paged step's
-        PagedLayers know their own). With
-        memory_group k, every k consecutive rows share one source: memory_kv and src_mask then
-        hold B / k rows, one per group (a sentence's beams).
+        Without caches the whole prefix is given (training, the plain reference decoder); with a
+        paged step's PagedLayers, tgt_ids are the new tokens at `positions` (B, T), and the layers
+        know their keys (cache_length is ignored). With memory_group k, every k consecutive rows
+        share one source: memory_kv and src_mask then hold B / k rows, one per group (a sentence's beams).
         """
-        if caches is not None and isinstance(caches[0], PagedLayer):  # paged: the layers' own masks
+        if caches is not None:  # paged: the layers' own masks
             assert positions is not None, "a paged step gives its positions"
             self_mask, rope = None, self.positions.rope(positions)
         else:
-            positions, self_mask, rope = self.positions.causal_self_attention(
-                tgt_ids, positions, cache_length if caches is not None else None
-            )
+            positions, self_mask, rope = self.positions.causal_self_attention(tgt_ids)
         x = self._embed(tgt_ids, positions)
         for i, layer in enumerate(self.decoder_layers):
             cache = caches[i] if caches is not None else None

@@ -39,7 +39,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH", help="a checkpoint folder to serve (repeatable)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--replicas", type=int, default=1, help="replicas of each model")
-    parser.add_argument("--slots", type=int, default=None, help="concurrent sequences per replica (default: 64 translators, 32 generators)")
+    parser.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="concurrent sequences per replica (default: 64 translators; 256 generators, the KV pool deciding)",
+    )
     parser.add_argument("--torch-threads", type=int, default=None, help="CPU threads per replica")
     parser.add_argument(
         "--compiled-decode",

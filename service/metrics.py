@@ -76,6 +76,10 @@ class ServingMetrics:
             "serving_prefill_seconds", "Prompt (generator) or encoder (translator) pass of one step.", LATENCY_BUCKETS, tags
         )
         self.batch_size = Histogram("serving_batch_size", "Sequences in one engine step.", BATCH_BUCKETS, tags)
+        # Exact sums (Ray rebuilds a histogram's sum from its buckets): their ratio is the engine's
+        # time per sequence in a step, what grows with the number of streams.
+        self.step_seconds = Counter("serving_engine_step_seconds_total", "Time in engine steps.", tags)
+        self.step_sequences = Counter("serving_engine_step_sequences_total", "Sequences in engine steps, summed.", tags)
         self.running = Gauge("serving_num_requests_running", "Requests in the running batch.", tags)
         self.waiting = Gauge("serving_num_requests_waiting", "Requests in the engine's queue.", tags)
         self.kv_usage = Gauge("serving_kv_cache_usage_ratio", "Fraction of KV-cache blocks (a translator's slots) in use (0-1).", tags)
@@ -93,9 +97,9 @@ class ServingMetrics:
         self.success = Counter("serving_request_success_total", "Finished requests by finish reason.", two_tags)
         self.failure = request_failure_counter()
         metrics: list[Counter | Gauge | Histogram] = [
-            self.ttft, self.itl, self.queue, self.e2e, self.prefill, self.batch_size, self.running, self.waiting, self.kv_usage,
-            self.prompt_tokens, self.generation_tokens, self.success, self.failure, self.prefix_queries, self.prefix_hits,
-            self.kv_blocks_used, self.kv_blocks_total, self.preemptions,
+            self.ttft, self.itl, self.queue, self.e2e, self.prefill, self.batch_size, self.step_seconds, self.step_sequences,
+            self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens, self.success, self.failure,
+            self.prefix_queries, self.prefix_hits, self.kv_blocks_used, self.kv_blocks_total, self.preemptions,
         ]  # fmt: skip
         for metric in metrics:
             metric.set_default_tags({"model": model})
@@ -115,6 +119,8 @@ class ServingMetrics:
             self.itl.observe(value)
         if report.batch_size:
             self.batch_size.observe(report.batch_size)
+            self.step_seconds.inc(report.step_seconds)
+            self.step_sequences.inc(report.batch_size)
         if report.prefill_tokens:
             self.prefill.observe(report.prefill_seconds)
             self.prompt_tokens.inc(report.prefill_tokens)

@@ -1,6 +1,8 @@
 """Dependencies point one way: model/ (the Transformer's modules) <- loading/ (checkpoints,
 tokenizers, chat templates) <- decoding/ <- service/engine/ <- the HTTP and Ray layers; exports/
-and training/ sit on top, and nothing that serves imports them."""
+and training/ sit on top, and nothing that serves imports them. Of service/, exports/ and training/
+import the engine alone: they decode through it in-process (service/engine/offline.py), so that
+the scores they report are the served engine's; never the HTTP or Ray layers."""
 
 import ast
 import subprocess
@@ -32,13 +34,14 @@ def imports_any(names: set[str], packages: set[str]) -> bool:
 
 
 OURS = {"model", "loading", "decoding", "exports", "training", "service", "benchmarks", "loadtests"}
-# Each package's own imports among OURS (besides itself): what sits below it.
+# Each package's own imports among OURS (besides itself): what sits below it, a package or a part
+# of one (service.engine: the engine without the HTTP and Ray layers of service/).
 BELOW = {
     "model": set(),
     "loading": {"model"},
     "decoding": {"model", "loading"},
-    "exports": {"model", "loading", "decoding"},
-    "training": {"model", "loading", "decoding", "exports"},
+    "exports": {"model", "loading", "decoding", "service.engine"},
+    "training": {"model", "loading", "decoding", "exports", "service.engine"},
 }
 
 
@@ -50,7 +53,17 @@ def test_model_imports_neither_service_nor_serving_frameworks() -> None:
 def test_each_package_imports_only_the_packages_below_it() -> None:
     for package, below in BELOW.items():
         for path, names in imported_modules(package).items():
-            assert not imports_any(names, OURS - below - {package}), path
+            ours = {n for n in names if imports_any({n}, OURS)}
+            assert all(imports_any({n}, below | {package}) for n in ours), (path, ours)
+
+
+def test_training_and_exports_reach_the_engine_but_not_the_http_or_ray_layers() -> None:
+    """The offline front loads the engine, and neither Ray nor the HTTP stack comes with it."""
+    watched = ("service.engine.offline", "ray", "fastapi", "starlette", "service.app", "service.api")
+    imports = "import sys, training.evaluate, training.train, exports.export, exports.ship"
+    probe = f"{imports}; print(sorted(m for m in {watched} if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "['service.engine.offline']"
 
 
 def test_nothing_that_serves_imports_training_evaluation_or_exports() -> None:

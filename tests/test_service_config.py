@@ -80,9 +80,9 @@ def test_model_flags_serve_exactly_those_folders_named_as_told_or_after_the_fold
     assert config.generator.engine.default_max_tokens == 16 and config.translator.engine.n_slots == 64
     assert config.generator.engine.compiled_decode == ()  # eager unless asked
 
-    args = ["--model", f"poet={DEFAULT_GENERATOR}", "--model", str(copy), "--compiled-decode", "1,4,48"]
-    compiled = service_config(parse_args(args))  # each model's sizes are those its slots hold (32 and 64)
-    assert compiled.generator.engine.compiled_decode == (1, 4) and compiled.translator.engine.compiled_decode == (1, 4, 48)
+    args = ["--model", f"poet={DEFAULT_GENERATOR}", "--model", str(copy), "--compiled-decode", "1,4,100"]
+    compiled = service_config(parse_args(args))  # each model's sizes are those its slots hold (256 and 64)
+    assert compiled.generator.engine.compiled_decode == (1, 4, 100) and compiled.translator.engine.compiled_decode == (1, 4)
     ranged = service_config(parse_args(["--model", str(copy), "--compiled-decode", "8-10,1,2-3,9"]))
     assert ranged.translator.engine.compiled_decode == (1, 2, 3, 8, 9, 10)
     for bad in ("1,x", "4-2", "1-"):

@@ -1,7 +1,8 @@
 """Evaluation CLI. The last line printed is one JSON object.
 
 python -m training.evaluate translate --src FILE --ref FILE [--checkpoint DIR] [--beam-size N] [--weights int8] [--json FILE]
-    (sacreBLEU as reported, cased and detokenized with 13a, and lowercased with 13a as Multi30k papers report it)
+    (sacreBLEU as reported, cased and detokenized with 13a, and lowercased with 13a as Multi30k papers report it;
+    translated by the serving engine, in-process: service/engine/offline.py)
 python -m training.evaluate lm --text FILE [--checkpoint DIR] [--weights int8]
 python -m training.evaluate generator-validation [--data DIR] [--also FILE] [--json FILE] CHECKPOINT_OR_RUN...
 python -m training.evaluate generator-snapshots [--json FILE] RUN
@@ -25,10 +26,12 @@ from typing import Any
 import torch
 from sacrebleu.metrics.bleu import BLEU
 
-from decoding.translate import translate_sentences
+from decoding.sampling_params import GREEDY
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint, load_native_checkpoint
 from model.generator import Generator
 from model.translator import Translator
+from service.engine.offline import OfflineEngine
+from service.engine.request import GenerationParams
 from training.data import SHARED_DATA, read_lines, shakespeare_split
 from training.lm_scoring import halves_nats_per_char, nats_per_char
 
@@ -43,7 +46,9 @@ def evaluate_translation(args: argparse.Namespace) -> dict[str, object]:
     sources, references = read_lines(Path(args.src)), read_lines(Path(args.ref))
     assert len(sources) == len(references), "--src and --ref differ in line count"
     started = time.perf_counter()
-    hypotheses = [h[0] for h in translate_sentences(model, tokenizer, sources, args.beam_size, args.length_penalty, args.batch_size)]
+    engine = OfflineEngine(model, tokenizer, n_slots=args.batch_size * args.beam_size)  # a slot per beam
+    params = GenerationParams(sampling=GREEDY, beam_size=args.beam_size, length_penalty=args.length_penalty)
+    hypotheses = [c.text for c in engine.generate(sources, params)]
     seconds = time.perf_counter() - started
     if args.output:
         Path(args.output).write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
@@ -143,7 +148,7 @@ def main() -> None:
     translate.add_argument("--checkpoint", default=None)
     translate.add_argument("--beam-size", type=int, default=1)
     translate.add_argument("--length-penalty", type=float, default=1.0)
-    translate.add_argument("--batch-size", type=int, default=64)
+    translate.add_argument("--batch-size", type=int, default=64, help="sentences decoded together (x beam size slots)")
     translate.add_argument("--output", default=None, help="write the translations here")
     lm = commands.add_parser("lm", help="nats per character of the generator")
     lm.add_argument("--text", required=True)

@@ -49,19 +49,20 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from decoding.reference_decoding import greedy_translate_uncached
+from decoding.sampling_params import GREEDY
 from loading.checkpoint import Model, build_model, count_parameters, load_native_checkpoint, save_checkpoint
-from loading.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from loading.tokenizer import PAD_ID, Tokenizer
 from model.config import GeneratorConfig, ModelConfig, TranslatorConfig
 from model.generator import Generator
 from model.translator import Translator
+from service.engine.offline import OfflineEngine
+from service.engine.request import GenerationParams
 from training.data import (
     SHARED_DATA,
     collate_pairs,
     encode_pairs,
     file_sha256,
     lm_windows,
-    pad,
     read_lines,
     shakespeare_split,
     token_budget_batches,
@@ -173,17 +174,11 @@ def pick_device() -> torch.device:
 
 
 @torch.no_grad()
-def validate_translator(model: Translator, tokenizer: Tokenizer, sources: list[str], references: list[str], device: torch.device) -> float:
-    """Greedy sacreBLEU on the validation set."""
+def validate_translator(model: Translator, tokenizer: Tokenizer, sources: list[str], references: list[str]) -> float:
+    """Greedy sacreBLEU on the validation set, translated by the serving engine (in-process, 128
+    sentences at a time) as `python -m training.evaluate` translates."""
     model.eval()
-    hypotheses = [""] * len(sources)
-    src_ids = tokenizer.encode_batch(sources)
-    order = sorted(range(len(sources)), key=lambda i: len(src_ids[i]))
-    for start in range(0, len(order), 128):
-        chunk = order[start : start + 128]
-        src = pad([src_ids[i][: model.config.max_len - 1] + [EOS_ID] for i in chunk]).to(device)
-        for i, ids in zip(chunk, greedy_translate_uncached(model, src, max_new_tokens=2 * src.shape[1] + 10), strict=True):
-            hypotheses[i] = tokenizer.decode(ids)
+    hypotheses = [c.text for c in OfflineEngine(model, tokenizer, n_slots=128).generate(sources, GenerationParams(sampling=GREEDY))]
     model.train()
     return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
 
@@ -423,7 +418,7 @@ def translator_job(args: argparse.Namespace) -> Job:
         return loss, int((tgt_out != PAD_ID).sum())
 
     def validate() -> dict[str, float]:
-        return {"val": validate_translator(model, tokenizer, val_en, val_tgt, trainer.device)}
+        return {"val": validate_translator(model, tokenizer, val_en, val_tgt)}
 
     def info() -> dict[str, Any]:
         return {**common_info(args, trainer, files), "best_val_bleu_greedy": trainer.best}

@@ -41,6 +41,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._pending = 0  # submitted, not yet taken from the inbox
+        self._pending_tokens = 0  # their Request.cost
         self._pending_lock = threading.Lock()
         self.last_heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -81,11 +82,14 @@ class AsyncEngine:
         grammar = None
         if params.structured is not None:  # checked in the grammars' worker process, built on a thread: never on the loop
             grammar = await asyncio.to_thread(self.engine.grammars.matcher, params.structured)
-        with self._pending_lock:
-            if self.num_waiting() >= self.engine.config.max_waiting:
-                raise QueueFullError(f"waiting queue full ({self.engine.config.max_waiting} requests)")
-            self._pending += 1
         request = Request(request_id or uuid.uuid4().hex, prompt_ids, params, grammar=grammar)
+        scheduler = self.engine.scheduler
+        with self._pending_lock:
+            problem = scheduler.queue_full(self.num_waiting(), scheduler.waiting_tokens + self._pending_tokens, request)
+            if problem is not None:
+                raise QueueFullError(problem)
+            self._pending += 1
+            self._pending_tokens += request.cost
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         self._inbox.put(_Submit(request, deltas, asyncio.get_running_loop()))
         self._wakeup.set()
@@ -122,6 +126,7 @@ class AsyncEngine:
             try:
                 with self._pending_lock:  # submit() sees it either pending or waiting, never neither
                     self._pending -= 1
+                    self._pending_tokens -= message.request.cost
                     self.engine.queue(message.request)  # resolved by submit()
             except Exception as error:  # validated at submit; a race with the queue bound is all that is left
                 delta = Delta(message.request.request_id, "", [], "error", error=str(error))

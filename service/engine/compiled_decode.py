@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from model.generator import Generator
-from model.kv_cache import CrossAttentionCache, PagedKVCache, RaggedStep, decode_group, decode_slots
+from model.kv_cache import CrossAttentionCache, PagedKVCache, RaggedStep, cache_slots, decode_group
 from model.translator import Translator
 from service.engine.fixed_shape import bucket, buckets
 
@@ -80,7 +80,7 @@ class CompiledDecode:
         rows = torch.arange(ids.shape[0], device=ids.device)  # (B,)
         block_size = self.cache.block_size
         group = decode_group(rows, key_blocks, positions + 1, block_size, self.model.positions.alibi_slopes)
-        step = RaggedStep(decode_slots(key_blocks, positions, block_size), group, [])
+        step = RaggedStep(cache_slots(key_blocks, positions, block_size), group, [])
         if isinstance(self.model, Translator):
             assert self.sources is not None
             layers = self.sources.bound(*sources)

@@ -45,8 +45,13 @@ class StructuredOutput:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    n_slots: int = 32  # concurrent sequences (beams count one each); a translator's KV-cache rows
-    max_waiting: int = 64  # waiting queue bound: beyond it, requests are refused at once (429)
+    # Concurrent sequences (vLLM's max_num_seqs; beams count one each), a translator's KV-cache
+    # rows; a decoder-only model's KV pool decides how many of them fit.
+    n_slots: int = 256
+    # The waiting queue: at most max_waiting requests, and no more tokens (prompts and max_tokens)
+    # than the engine computes in queue_timeout_s at its measured speed or, if more, its KV pool
+    # holds (Engine.waiting_token_budget). Beyond either, requests are refused at once (429).
+    max_waiting: int = 1024
     # Tokens one step computes (vLLM's max_num_batched_tokens): a decoder-only model's running
     # decodes first, then prompt chunks in what is left, so a long prompt is computed over several
     # steps while every stream keeps producing; a translator's source tokens admitted per step,

@@ -38,6 +38,7 @@ class StepReport:
     batch_size: int = 0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0  # prompt / encoder pass of the admitted requests
+    step_seconds: float = 0.0  # the whole step: schedule, model, sampling, stop checks, deltas
     generated_tokens: int = 0
     first_token_latencies: list[float] = field(default_factory=list)  # arrival -> first token
     inter_token_latencies: list[float] = field(default_factory=list)  # previous token -> this one
@@ -90,6 +91,10 @@ class Engine:
         self.grammars = GrammarCompiler(runner.tokenizer, runner.eos_ids, config.grammar_max_bytes, config.grammar_compile_timeout_s)
         self.counters = EngineCounters()
         self.on_step: Callable[[StepReport], None] | None = None  # e.g. metrics; called from the stepping thread
+        # What the KV cache holds at once, in tokens: the waiting queue always takes that much.
+        self.pool_tokens = (pool.num_blocks - 1) * pool.block_size if pool is not None else config.n_slots * runner.max_len
+        self.tokens_per_s: float | None = None  # computed tokens (prompt and generated) per second of busy steps, smoothed
+        self.scheduler.waiting_token_budget = self.waiting_token_budget()
 
     @classmethod
     def from_checkpoint(cls, directory: Path, config: EngineConfig, device: str = "cpu", dtype: WeightType = torch.float32) -> "Engine":
@@ -97,6 +102,23 @@ class Engine:
         if torch.device(device).type == "cpu" and dtype == torch.float32 and packing_available():
             pack_linear_layers(model)  # oneDNN GEMMs for the decode steps' many-row batches
         return cls(runner_for(model, tokenizer, config), config)
+
+    def waiting_token_budget(self) -> int | None:
+        """The most tokens (prompts and max_tokens) the waiting queue holds: what the engine computes
+        in queue_timeout_s at its measured speed, and at least what the KV pool holds. None (the
+        count alone bounds it) before a step is measured, or without a queue deadline."""
+        if self.config.queue_timeout_s is None or self.tokens_per_s is None:
+            return None
+        return max(self.pool_tokens, int(self.tokens_per_s * self.config.queue_timeout_s))
+
+    def _measure_speed(self, report: StepReport) -> None:
+        """Updates tokens_per_s from a busy step (an exponential average over about 32 steps)."""
+        tokens = report.prefill_tokens + report.generated_tokens
+        if tokens == 0 or report.step_seconds <= 0:
+            return
+        speed = tokens / report.step_seconds
+        self.tokens_per_s = speed if self.tokens_per_s is None else 0.97 * self.tokens_per_s + 0.03 * speed
+        self.scheduler.waiting_token_budget = self.waiting_token_budget()
 
     def max_tokens_limit(self, prompt_length: int) -> int:
         """The most tokens a request with this prompt may ask for."""
@@ -178,6 +200,7 @@ class Engine:
         An exception from the model fails only the requests of this step: they finish with reason
         "error" and the output carries the exception, so the caller can report it and go on.
         """
+        started = time.perf_counter()
         report = StepReport()
         plan = self.scheduler.schedule()
         deltas = [self._finish(r, "abort", report) for r in plan.aborted]
@@ -206,7 +229,9 @@ class Engine:
                     if delta is not None:
                         deltas.append(delta)
         report.prefill_seconds = output.prefill_seconds
+        report.step_seconds = time.perf_counter() - started
         self._publish_report(plan, report)
+        self._measure_speed(report)
         return StepOutput(deltas, report, failure)
 
     def report_idle(self) -> None:

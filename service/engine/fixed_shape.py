@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from model.generator import Generator
-from model.kv_cache import CrossAttentionCache, DecodeGroup, PagedKVCache, PagedLayer, RaggedStep, slots_of
+from model.kv_cache import CrossAttentionCache, PagedKVCache, PagedLayer, RaggedStep, cache_slots, decode_group
 from model.translator import Translator
 
 SMALLEST_KEY_BUCKET = 64  # below it, a step's attention costs too little to be worth a graph of its own
@@ -90,18 +90,11 @@ class BucketedDecoder:
         keys [0, its position]; built from the static inputs when the step runs (inside a graph)."""
         B, nb = shape.batch, -(-shape.length // self.cache.block_size)
         positions, tables = self.positions[:B, 0], self.tables[:B, :nb]  # (B,), (B, nb)
-        key_positions = torch.arange(nb * self.cache.block_size, device=positions.device)[None]  # (1, L)
         rows = torch.arange(B, device=positions.device)
 
         def layers() -> list[PagedLayer]:
-            valid = key_positions <= positions[:, None]  # (B, L)
-            if slopes is None:
-                mask = valid[:, None, None, :]
-            else:
-                distance = (positions[:, None] - key_positions).to(slopes.dtype)  # (B, L)
-                mask = (-slopes[None, :, None] * distance[:, None, :]).masked_fill(~valid[:, None, :], float("-inf"))[:, :, None]
-            slot_mapping = slots_of(self.tables[:B], positions[:, None], self.cache.block_size)[:, 0]  # (B,)
-            return self.cache.layers(RaggedStep(slot_mapping, DecodeGroup(rows, tables, positions + 1, mask), []))
+            group = decode_group(rows, tables, positions + 1, self.cache.block_size, slopes)
+            return self.cache.layers(RaggedStep(cache_slots(self.tables[:B], positions, self.cache.block_size), group, []))
 
         return layers
 

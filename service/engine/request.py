@@ -83,6 +83,11 @@ class Request:
         return self.prompt_ids[start : start + n] + self.output_ids[max(start - prompt, 0) : max(start + n - prompt, 0)]
 
     @property
+    def cost(self) -> int:
+        """Tokens the request computes at most (prompt and max_tokens, every beam): what it weighs in the waiting queue."""
+        return (len(self.prompt_ids) + (self.params.max_tokens or 0)) * self.params.beam_size
+
+    @property
     def slots_needed(self) -> int:
         return self.params.beam_size
 

@@ -2,7 +2,7 @@
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -154,6 +154,24 @@ def kv_pool_blocks(config: EngineConfig, context: int, block_bytes: int, block_s
     return blocks + 1
 
 
+@dataclass(frozen=True)
+class StepRows:
+    """A step's rows whose logits are needed: logits (R, V), or final hidden states (R, d) that
+    `project` turns into logits a block of rows at a time."""
+
+    values: Tensor
+    project: Callable[[Tensor], Tensor] | None = None
+
+    def logits(self, a: int, b: int) -> Tensor:
+        """Logits (b - a, V) of rows [a, b) (a new tensor where projected, else a view)."""
+        return self.values[a:b] if self.project is None else self.project(self.values[a:b])
+
+
+# A sampling block's logits fit in a server CPU's last-level cache: 64 rows of a 49,152-token
+# vocabulary (a 256-row step's 50 MB do not, and cost 1.7x per row: docs/performance.md).
+LOGITS_BLOCK_BYTES = 12 << 20
+
+
 class GeneratorRunner:
     """Decoder-only, over paged KV: each step computes the scheduled tokens of every sequence
     (prompt chunks and one-token decodes alike) as one ragged batch (model/kv_cache.py
@@ -184,6 +202,8 @@ class GeneratorRunner:
         self.eos_ids = frozenset(c.eos_ids)
         self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = False  # a play's text keeps its layout
+        # Rows sampled together (_sample_blocks): all of them on a GPU, whose step is one launch per block.
+        self.block_rows = max(1, LOGITS_BLOCK_BYTES // (4 * c.vocab_size)) if self.device.type == "cpu" else 1 << 30
         if fixed_shape_decode is None:
             fixed_shape_decode = self.device.type == "cuda"
         capture = self.device.type == "cuda"
@@ -231,15 +251,21 @@ class GeneratorRunner:
             first += n
         if all(n == 1 for n in counts) and len(rows) == len(requests):  # decodes only
             fed = {r.slots[0]: (t[0], s, plan.block_tables[r.request_id]) for r, t, s in zip(requests, tokens, starts, strict=True)}
-            logits = self.decode_logits(fed)  # (R, V) in requests' order
+            step_rows = self.decode_rows(fed)  # in requests' order
         else:
             ids = torch.tensor([i for t in tokens for i in t], device=self.device)
             positions = torch.tensor([p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)], device=self.device)
             tables = [plan.block_tables[r.request_id] for r in requests]
             step = ragged_step(counts, starts, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
             logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-            logits = self.model.forward_ragged(ids, positions, self.cache.layers(step), logit_rows)  # (len(rows), V)
-        suppress(logits, self.suppressed)
+            step_rows = StepRows(self.model.hidden_ragged(ids, positions, self.cache.layers(step), logit_rows), self.model.logits)
+        if not any(scored):  # a row per sampling request, in order: logits a block of rows at a time
+            sampling = [r for r, d in zip(requests, done, strict=True) if d]
+            self._sample_blocks(plan, sampling, lambda a, b: suppress(step_rows.logits(a, b), self.suppressed), output)
+            if plan.prefill:
+                output.prefill_seconds = time.perf_counter() - started
+            return output
+        logits = suppress(step_rows.logits(0, len(rows)), self.suppressed)  # (len(rows), V): the prompt's rows scored
         at = 0
         sampling, sampled_rows = [], []
         for r, n, s, d, sc in zip(requests, counts, starts, done, scored, strict=True):
@@ -259,32 +285,42 @@ class GeneratorRunner:
                 sampling.append(r)
                 sampled_rows.append(at)
                 at += 1
-        if sampling:
-            next_logits = in_order(logits, sampled_rows)  # (S, V)
-            if plan.grammar is not None:
-                plan.grammar.apply(next_logits, [r.request_id for r in sampling])
-            chosen = _sample(next_logits, sampling, self.eos_ids)
-            output.tokens.update({r.request_id: t for r, t in zip(sampling, chosen, strict=True)})
-            record_logprobs(output, next_logits, chosen, sampling)
+        next_logits = in_order(logits, sampled_rows)  # (S, V)
+        self._sample_blocks(plan, sampling, lambda a, b: next_logits[a:b], output)
         if plan.prefill:
             output.prefill_seconds = time.perf_counter() - started
         return output
 
-    def decode_logits(self, fed: PagedFed) -> Tensor:
-        """Next-token logits (R, V) of a step of one token per sequence, a row per sequence of fed
-        (slot -> (token, position, block table)) in its order, suppressed ids not yet applied: the
-        fixed-shape step, the compiled one at the batch sizes it runs, or the ragged one."""
+    def _sample_blocks(
+        self, plan: SchedulerOutput, sampling: list[Request], logits_of: Callable[[int, int], Tensor], output: RunnerOutput
+    ) -> None:
+        """Samples each of `sampling` from its row of logits_of(a, b) (rows [a, b), suppressed ids at
+        -inf), block_rows rows at a time: a block's logits are projected, masked by the grammars,
+        sampled and scored while they are in the CPU's cache (a 256-row step's whole logits are not)."""
+        for a in range(0, len(sampling), self.block_rows):
+            requests = sampling[a : a + self.block_rows]
+            logits = logits_of(a, a + len(requests))  # (b - a, V)
+            if plan.grammar is not None:
+                plan.grammar.apply(logits, [r.request_id for r in requests])
+            chosen = _sample(logits, requests, self.eos_ids)
+            output.tokens.update({r.request_id: t for r, t in zip(requests, chosen, strict=True)})
+            record_logprobs(output, logits, chosen, requests)
+
+    def decode_rows(self, fed: PagedFed) -> StepRows:
+        """The rows of a step of one token per sequence, a row per sequence of fed (slot -> (token,
+        position, block table)) in its order: logits from the fixed-shape step or the compiled one
+        (at the batch sizes it runs), else the ragged step's hidden states, projected when read."""
         if self.fixed_shape is not None:
-            return self.fixed_shape(fed)
+            return StepRows(self.fixed_shape(fed))
         ids_list, positions_list, tables = (list(column) for column in zip(*fed.values(), strict=True))
         ids = torch.tensor(ids_list, device=self.device)
         compiled = self.compiled(ids, positions_list, tables) if self.compiled is not None else None
         if compiled is not None:
-            return compiled
+            return StepRows(compiled)
         step = ragged_step([1] * len(fed), positions_list, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
         positions = torch.tensor(positions_list, device=self.device)
         rows = torch.arange(len(fed), device=self.device)
-        return self.model.forward_ragged(ids, positions, self.cache.layers(step), rows)
+        return StepRows(self.model.hidden_ragged(ids, positions, self.cache.layers(step), rows), self.model.logits)
 
 
 def in_order(logits: Tensor, rows: list[int]) -> Tensor:

@@ -86,9 +86,14 @@ class Scheduler:
     ) -> None:
         """queue_timeout_s: the longest a request may wait for admission; request_timeout_s: the
         longest from arrival to its last token. Past either, it ends with reason "timeout".
-        on_release: told a running request's slots as they are freed (the runner's release)."""
+        on_release: told a running request's slots as they are freed (the runner's release).
+        The waiting queue holds at most max_waiting requests, and tokens (each request's prompt
+        and max_tokens) up to waiting_token_budget, which the engine sets from its KV pool and
+        measured speed (Engine.waiting_token_budget); a first waiting request is always taken."""
         self.slots = SlotAllocator(n_slots)
         self.max_waiting = max_waiting
+        self.waiting_token_budget: int | None = None  # None: no bound by tokens
+        self.waiting_tokens = 0  # of the requests in `waiting`; read by other threads (an int: no lock)
         self.max_prefill_tokens = max_prefill_tokens
         self.policy = policy
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s
@@ -103,9 +108,32 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queues the request; raises QueueFullError when the waiting queue is full."""
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFullError(f"waiting queue full ({self.max_waiting} requests)")
-        self.waiting.append(request)
+        problem = self.queue_full(len(self.waiting), self.waiting_tokens, request)
+        if problem is not None:
+            raise QueueFullError(problem)
+        self._enqueue(request)
+
+    def queue_full(self, waiting: int, waiting_tokens: int, request: Request) -> str | None:
+        """Why a queue holding `waiting` requests of `waiting_tokens` tokens takes no more (None
+        when it takes this one): a 429 says the replica is full, whatever the count that arrived."""
+        if waiting >= self.max_waiting:
+            return f"the replica is full: its waiting queue holds {self.max_waiting} requests"
+        budget = self.waiting_token_budget
+        if waiting and budget is not None and waiting_tokens + request.cost > budget:
+            return f"the replica is full: its waiting requests need {waiting_tokens} tokens, more than it serves in its queue time"
+        return None
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        self.waiting.appendleft(request) if front else self.waiting.append(request)
+        self.waiting_tokens += request.cost
+
+    def _dequeue(self, request: Request) -> None:
+        """Takes a waiting request out of the queue (admitted or ended)."""
+        if self.waiting and self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
+        self.waiting_tokens -= request.cost
 
     def abort(self, request_id: str) -> None:
         """Takes effect at the next schedule(); unknown or finished ids are ignored."""
@@ -138,7 +166,7 @@ class Scheduler:
         slots = self.slots.allocate(request.slots_needed)
         if slots is None:
             return False
-        self.waiting.popleft()
+        self._dequeue(request)
         request.slots, request.status = slots, RequestStatus.RUNNING
         request.scheduled_time = request.scheduled_time or time.monotonic()  # a preempted request keeps its first
         self.running[request.request_id] = request
@@ -173,7 +201,7 @@ class Scheduler:
         if request.finished:
             return
         if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
+            self._dequeue(request)
         else:
             del self.running[request.request_id]
             self._release(request)
@@ -279,7 +307,7 @@ class BlockScheduler(Scheduler):
             out.prefill = [p for p in out.prefill if p is not r]
         r.status, r.num_computed_tokens, r.prompt_logprobs_so_far = RequestStatus.WAITING, 0, []
         r.preemptions += 1
-        self.waiting.appendleft(r)
+        self._enqueue(r, front=True)
         out.preempted.append(r)
 
     def _register(self, r: Request, out: SchedulerOutput) -> None:

@@ -5,12 +5,11 @@ import pytest
 import torch
 
 import service.engine.runner as runner_module
-from decoding.beam_search import beam_search
-from decoding.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from decoding.reference_decoding import beam_search_uncached, generate_greedy_uncached, greedy_translate_uncached
 from decoding.sampling_params import GREEDY, SamplingParams
 from loading.tokenizer import EOS_ID
 from model.config import TranslatorConfig
-from model.kv_cache import cache_rows, read_rows
+from model.kv_cache import CrossAttentionCache, cache_rows
 from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
@@ -77,9 +76,9 @@ def test_abort_mid_batch_leaves_the_others_unchanged_and_frees_the_slot() -> Non
 
 
 @pytest.mark.parametrize("ragged_encode", [True, False])
-def test_translator_engine_greedy_equals_offline_greedy_while_requests_come_and_go(device: str, ragged_encode: bool) -> None:
+def test_translator_engine_greedy_equals_greedy_by_recomputation_while_requests_come_and_go(device: str, ragged_encode: bool) -> None:
     """New sources of different lengths encoded together, side by side (ragged) or padded, then
-    decoded with others joining: each translation is the offline greedy one of its sentence alone."""
+    decoded with others joining: each translation is the greedy one by recomputation of its sentence alone."""
     sources = [[5, 9, 13, 7, EOS_ID], [40, EOS_ID], [8, 8, 8, 8, 8, 8, EOS_ID], [21, 33, EOS_ID]]
     requests = [Request(f"t{i}", s, GenerationParams(sampling=GREEDY, max_tokens=12)) for i, s in enumerate(sources)]
     engine = translator_engine(device=device)
@@ -95,7 +94,7 @@ def test_translator_engine_greedy_equals_offline_greedy_while_requests_come_and_
 def test_sources_encoded_ahead_translate_as_alone(device: str, encoded_ahead_tokens: int) -> None:
     """More requests than slots: the waiting ones' sources are encoded with the first step's and
     kept until their admission (or, with none kept, each at its own), and every translation is
-    the offline greedy one of its sentence alone; once the queue is empty nothing is kept."""
+    the greedy one by recomputation of its sentence alone; once the queue is empty nothing is kept."""
     sources = [[5, 9, 13, 7, EOS_ID], [40, EOS_ID], [8, 8, 8, 8, 8, 8, EOS_ID], [21, 33, EOS_ID], [6, 7, EOS_ID], [50, 2, 9, EOS_ID]]
     requests = [Request(f"t{i}", s, GenerationParams(sampling=GREEDY, max_tokens=12)) for i, s in enumerate(sources)]
     engine = translator_engine(n_slots=2, device=device)
@@ -127,7 +126,7 @@ def test_a_source_encoded_ahead_of_a_request_that_ends_waiting_is_dropped() -> N
     assert not runner.encoded_ahead  # t2's taken at its admission, t1's dropped there
 
 
-def test_translator_engine_beam_search_equals_offline_beam_search(device: str) -> None:
+def test_translator_engine_beam_search_equals_the_beam_search_by_recomputation(device: str) -> None:
     sources = [[5, 9, 13, 7, EOS_ID], [40, 41, EOS_ID], [8, 8, 8, EOS_ID]]
     engine = translator_engine(device=device)
     finals = {}
@@ -145,18 +144,18 @@ def test_translator_engine_beam_search_equals_offline_beam_search(device: str) -
             if d.finish_reason is not None:
                 finals[d.request_id] = d
     model = engine.runner.model  # type: ignore[attr-defined]
-    expected = beam_search(model, torch.tensor([sources[0]], device=device), beam_size=4, max_new_tokens=10, n_best=2)[0]
+    expected = beam_search_uncached(model, torch.tensor([sources[0]], device=device), beam_size=4, max_new_tokens=10, n_best=2)[0]
     tokenizer = FakeTokenizer()
     assert finals["b0"].text == tokenizer.decode(expected[0].tokens)
     assert finals["b0"].alternatives == [tokenizer.decode(expected[1].tokens)]
-    expected2 = beam_search(model, torch.tensor([sources[2]], device=device), beam_size=3, max_new_tokens=10)[0]
+    expected2 = beam_search_uncached(model, torch.tensor([sources[2]], device=device), beam_size=3, max_new_tokens=10)[0]
     assert finals["b2"].text == tokenizer.decode(expected2[0].tokens)
     assert engine.scheduler.slots.num_free == 16
 
 
 def test_a_beam_searchs_first_step_feeds_its_first_beam_only() -> None:
     """Every beam starts from the start token and only the first is expanded: one row at the first
-    step, every beam's after; the search still equals the offline one."""
+    step, every beam's after; the search still equals the one by recomputation."""
     engine = translator_engine()
     runner = engine.runner
     assert isinstance(runner, TranslatorRunner)
@@ -167,7 +166,7 @@ def test_a_beam_searchs_first_step_feeds_its_first_beam_only() -> None:
     deltas = deltas_of(engine, {0: [Request("b", source, GenerationParams(max_tokens=10, beam_size=4))]})["b"]
     finals = [d for d in deltas if d.finish_reason]
     assert fed_rows[0] == 1 and set(fed_rows[1:]) == {4}
-    expected = beam_search(runner.model, torch.tensor([source]), beam_size=4, max_new_tokens=10)[0]
+    expected = beam_search_uncached(runner.model, torch.tensor([source]), beam_size=4, max_new_tokens=10)[0]
     assert finals[0].text == FakeTokenizer().decode(expected[0].tokens)
     assert engine.scheduler.slots.num_free == 16 and runner.blocks.num_free == runner.blocks.num_blocks - 1
 
@@ -189,21 +188,25 @@ def test_beam_group_takes_aligned_blocks_of_one_width_only() -> None:
 
 
 def test_cache_rows_read_evenly_spaced_slots_through_a_view() -> None:
-    cache = torch.arange(8.0).reshape(8, 1, 1, 1).expand(8, 1, 4, 1).contiguous()
-    _, rows = cache_rows([1, 3, 5], cache.device)
-    assert rows == slice(1, 7, 2)
-    assert read_rows(cache, rows, 2).flatten().tolist() == [1, 1, 3, 3, 5, 5]
-    assert isinstance(cache_rows([1, 2, 4], cache.device)[1], torch.Tensor)  # uneven: gathered
+    device = torch.device("cpu")
+    assert cache_rows([1, 3, 5], device) == slice(1, 7, 2)
+    assert isinstance(cache_rows([1, 2, 4], device), torch.Tensor)  # uneven: gathered
+    cache = CrossAttentionCache(n_layers=1, n_slots=8, n_heads=1, length=4, head_dim=1)
+    cache.keys[0].copy_(torch.arange(8.0).reshape(8, 1, 1, 1).expand(8, 4, 1, 1))  # slot s holds s at every position
+    for slots, view in (([1, 3, 5], True), ([1, 2, 4], False)):
+        (keys, _), *_ = cache.read(slots, 2)[0]  # (3, H, 2, D)
+        assert keys.flatten().tolist() == [s for s in slots for _ in range(2)]
+        assert (keys.untyped_storage().data_ptr() == cache.keys[0].untyped_storage().data_ptr()) == view
 
 
 @pytest.mark.parametrize("source_kernel", [False, True])
-def test_beam_searches_sharing_source_reads_equal_offline_beam_search(
+def test_beam_searches_sharing_source_reads_equal_the_beam_search_by_recomputation(
     monkeypatch: pytest.MonkeyPatch, device: str, source_kernel: bool
 ) -> None:
     """Only beam-4 requests, joining at different steps and leaving as they finish: the engine's
     dynamic step reads each sentence's cross-attention keys once for its 4 rows (beam_group), or,
     with the CPU kernel, in place from its first slot, the one slot its keys are written to; and
-    every result equals the offline beam search of that sentence alone."""
+    every result equals the beam search by recomputation of that sentence alone."""
     sources = [[5, 9, 13, 7, EOS_ID], [40, 41, EOS_ID], [8, 8, 8, EOS_ID], [21, 33, 60, 4, 17, EOS_ID], [11, EOS_ID]]
     engine = translator_engine(device=device, fixed_shape_decode=False)
     runner = engine.runner
@@ -242,6 +245,6 @@ def test_beam_searches_sharing_source_reads_equal_offline_beam_search(
         assert set(written) == {4}  # a copy per beam
     tokenizer = FakeTokenizer()
     for i, s in enumerate(sources):
-        expected = beam_search(runner.model, torch.tensor([s], device=device), beam_size=4, max_new_tokens=8)[0]
+        expected = beam_search_uncached(runner.model, torch.tensor([s], device=device), beam_size=4, max_new_tokens=8)[0]
         assert finals[f"b{i}"] == tokenizer.decode(expected[0].tokens)
     assert engine.scheduler.slots.num_free == 16

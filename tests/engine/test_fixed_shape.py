@@ -14,7 +14,7 @@ from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from loading.tokenizer import EOS_ID
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
-from model.kv_cache import LayerCaches, PagedKVCache
+from model.kv_cache import CrossAttentionCache, PagedKVCache
 from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
@@ -71,7 +71,7 @@ def tiny_translator() -> Translator:
     return Translator(dataclasses.replace(TranslatorConfig.preset("tiny"), max_len=CONTEXT)).eval()
 
 
-def fill(caches: list[LayerCaches] | list[PagedKVCache]) -> None:
+def fill(caches: list[CrossAttentionCache] | list[PagedKVCache]) -> None:
     """The same random keys and values in every cache of the list (all of one shape)."""
     for tensors in zip(*[c.keys + c.values for c in caches], strict=True):
         noise = torch.randn_like(tensors[0])
@@ -118,8 +118,8 @@ def test_bucketed_generator_step_equals_the_dynamic_step_at_every_bucket_boundar
     for batch in BATCHES:
         for length in LENGTHS:
             fed = with_tables(fed_for(batch, length))
-            expected = dynamic.decode_logits(fed)  # (R, V)
-            got = fixed.decode_logits(fed)
+            expected = dynamic.decode_rows(fed).logits(0, len(fed))  # (R, V)
+            got = fixed.decode_rows(fed).logits(0, len(fed))
             assert_same_logits(got, expected, f"batch {batch}, length {length}")
 
 
@@ -207,7 +207,7 @@ def test_cuda_graphs_are_captured_by_bucket_and_only_for_the_shapes_used() -> No
     assert runner.fixed_shape is not None and runner.fixed_shape.capture
     with torch.inference_mode():
         for fed in ({0: (5, 3)}, {0: (5, 4)}, {2: (5, 70)}):
-            runner.decode_logits(with_tables(fed))
+            runner.decode_rows(with_tables(fed))
     assert set(runner.fixed_shape.graphs) == {StepShape(1, 64, 0), StepShape(4, 128, 0)}
 
 

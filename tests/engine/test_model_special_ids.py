@@ -13,10 +13,9 @@ import torch
 from torch import Tensor, nn
 
 import service.engine.runner as runner_module
-from decoding.beam_search import beam_search
-from decoding.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
+from decoding.reference_decoding import beam_search_uncached, generate_greedy_uncached, greedy_translate_uncached
 from decoding.sampling_params import GREEDY, SamplingParams
-from decoding.translate import greedy_translate, pad_batch
+from decoding.translate import pad_batch
 from loading.checkpoint import DEFAULT_GENERATOR
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
@@ -97,10 +96,10 @@ def generator(**changes: Any) -> Generator:
 
 def favour(model: Translator | Generator, token: int, amount: float = 100.0) -> Callable[[], None]:
     """Adds amount to token's logit at every output of the model (a translator's decode, a
-    generator's forward and ragged step); returns the undo."""
+    generator's forward and its projection of a ragged step's rows); returns the undo."""
     bias = torch.zeros(model.config.vocab_size)
     bias[token] = amount
-    names = ["forward_ragged"] if isinstance(model, Generator) else ["decode"]
+    names = ["logits"] if isinstance(model, Generator) else ["decode"]
     handle = model.register_forward_hook(lambda module, args, logits: logits + bias) if isinstance(model, Generator) else None
     for name in names:
         original = getattr(model, name)
@@ -158,13 +157,13 @@ def beams(n: int, k: int = 4, n_best: int = 2) -> GenerationParams:
 
 
 def assert_translations_equal_the_references(model: Translator, finals: dict[str, Final], n: int) -> None:
-    """g<i>: greedy, equal to recomputation; b<i>: beam 4, equal to the offline beam search."""
+    """g<i>: greedy, equal to recomputation; b<i>: beam 4, equal to the beam search by recomputation."""
     tokenizer, device = tokenizer_for(model), next(model.parameters()).device
     for i, s in enumerate(SOURCES):
         expected = greedy_translate_uncached(model, torch.tensor([s], device=device), n)[0]
         assert finals[f"g{i}"].tokens == expected
         assert finals[f"g{i}"].reason == ("stop" if len(expected) < n else "length")
-        hypotheses = beam_search(model, torch.tensor([s], device=device), beam_size=4, max_new_tokens=n, n_best=2)[0]
+        hypotheses = beam_search_uncached(model, torch.tensor([s], device=device), beam_size=4, max_new_tokens=n, n_best=2)[0]
         assert finals[f"b{i}"].tokens == hypotheses[0].tokens
         assert finals[f"b{i}"].alternatives == [tokenizer.decode(hypotheses[1].tokens)]
 
@@ -185,7 +184,7 @@ def test_translator_engine_decodes_with_the_models_start_eos_and_pad(fixed_shape
     assert_translations_equal_the_references(model, finals, 12)
     assert {finals[f"g{i}"].reason for i in range(len(SOURCES))} == {"stop", "length"}
     padded = pad_batch(SOURCES, model.config.pad_id).to(device)  # (5, 7) right-padded with 63
-    assert greedy_translate(model, padded, 12) == [finals[f"g{i}"].tokens for i in range(len(SOURCES))]
+    assert greedy_translate_uncached(model, padded, 12) == [finals[f"g{i}"].tokens for i in range(len(SOURCES))]
 
 
 @pytest.mark.parametrize("fixed_shape", [False, True])

@@ -174,15 +174,18 @@ TEXTS = ["You are all resolved rather to die than to famish?", "Let us kill him"
 
 
 def served(
-    model: Generator, tokenizer: TextTokenizer, config: EngineConfig, decode_kernel: bool = True
+    model: Generator, tokenizer: TextTokenizer, config: EngineConfig, decode_kernel: bool = True, block_rows: int | None = None
 ) -> tuple[dict[str, list[Delta]], dict[str, list[int]], Engine]:
     """Greedy requests (24 tokens, logprobs) of SYSTEM + each text in three waves, the last repeating
     the first (whole prompts cached by then); each one's deltas and prompt, and the engine, whose
     reports are kept in engine.reports. decode_kernel False: decodes attend through SDPA, not the
-    CPU kernel (model/paged_attention_cpu.py)."""
+    CPU kernel (model/paged_attention_cpu.py). block_rows: rows projected and sampled together
+    (GeneratorRunner._sample_blocks; by default every row of this small vocabulary at once)."""
     engine = Engine(GeneratorRunner(model, tokenizer, config), config)
     assert isinstance(engine.runner, GeneratorRunner)
     engine.runner.cache.decode_kernel &= decode_kernel
+    if block_rows is not None:
+        engine.runner.block_rows = block_rows
     params = GenerationParams(max_tokens=24, sampling=GREEDY, logprobs=3)
     waves = {0: TEXTS[:2], 3: TEXTS[2:], 40: TEXTS}
     prompts = {f"{step}/{i}": engine.runner.encode_prompt(SYSTEM + t) for step, texts in waves.items() for i, t in enumerate(texts)}
@@ -205,13 +208,15 @@ PLAIN = {"prefix_caching": False, "max_num_batched_tokens": 4096}
 FAST_PATHS: dict[str, dict[str, object]] = {
     "prefix caching": {},
     "chunked prefill": {"prefix_caching": False, "max_num_batched_tokens": 7},
+    "sampling a row at a time": {"block_rows": 1},
     "preemption": {"prefix_caching": False, "pool_blocks": 8},
-    "all": {"max_num_batched_tokens": 11, "pool_blocks": 8},
+    "all": {"max_num_batched_tokens": 11, "pool_blocks": 8, "block_rows": 1},
 }
 
 
 def engine_config(model: Generator, options: dict[str, object]) -> EngineConfig:
     options = dict(options)
+    options.pop("block_rows", None)  # the runner's (served)
     blocks = options.pop("pool_blocks", None)
     if isinstance(blocks, int):
         c = model.config
@@ -226,7 +231,8 @@ def test_each_fast_path_answers_as_transformers_and_as_the_plain_run(llama: tupl
     folder, model, tokenizer = llama
     config = engine_config(model, FAST_PATHS[path])
     plain, _, _ = served(model, tokenizer, engine_config(model, PLAIN), decode_kernel=False)
-    fast, prompts, engine = served(model, tokenizer, config)
+    block_rows = FAST_PATHS[path].get("block_rows")
+    fast, prompts, engine = served(model, tokenizer, config, block_rows=block_rows if isinstance(block_rows, int) else None)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     for request_id, deltas in fast.items():
         prompt = prompts[request_id]

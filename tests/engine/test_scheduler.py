@@ -7,7 +7,7 @@ import pytest
 
 from decoding.sampling_params import SamplingParams
 from service.engine.config import EngineConfig
-from service.engine.engine import Engine
+from service.engine.engine import Engine, StepReport
 from service.engine.errors import InvalidRequestError, QueueFullError
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.scheduler import Scheduler, SlotAllocator
@@ -117,6 +117,31 @@ def test_waiting_queue_limit_refuses_without_queueing() -> None:
     with pytest.raises(QueueFullError):
         engine.add_request(request("c", [10]))
     assert len(engine.scheduler.waiting) == 2
+
+
+def test_the_waiting_queue_holds_what_the_engine_serves_in_its_queue_time() -> None:
+    """Once a step's speed is measured, the queue takes requests (prompt and max_tokens each) up to
+    what the engine computes in queue_timeout_s, or what its cache holds if that is more; a first
+    waiting request always; the count bounds it besides. Requests leaving the queue give their tokens back."""
+    runner = FakeRunner(max_len=100)
+    engine = Engine(runner, EngineConfig(n_slots=1, max_waiting=100, queue_timeout_s=10.0))
+    assert engine.pool_tokens == 100 and engine.scheduler.waiting_token_budget is None  # nothing measured: the count alone
+    engine._measure_speed(StepReport(prefill_tokens=30, generated_tokens=10, step_seconds=2.0))  # 20 tokens/s
+    assert engine.tokens_per_s == 20.0 and engine.scheduler.waiting_token_budget == 200  # 20 tokens/s x 10 s > the 100 the cache holds
+    engine.add_request(request("first", [5] * 10, max_tokens=290))  # 300 tokens: more than the budget, but the queue is empty
+    with pytest.raises(QueueFullError, match="the replica is full"):
+        engine.add_request(request("second", [5], max_tokens=9))
+    engine.abort("first")
+    engine.step()
+    assert engine.scheduler.waiting_tokens == 0
+    for i in range(20):  # 20 x 10 tokens fill the 200
+        engine.add_request(request(f"r{i}", [5] * 5, max_tokens=5))
+    with pytest.raises(QueueFullError):
+        engine.add_request(request("one more", [5], max_tokens=1))
+    assert engine.scheduler.waiting_tokens == 200 and len(engine.scheduler.waiting) == 20
+    for _ in range(200):  # much slower (1 token/s): never below what the cache holds
+        engine._measure_speed(StepReport(generated_tokens=1, step_seconds=1.0))
+    assert engine.tokens_per_s is not None and engine.tokens_per_s < 2.0 and engine.scheduler.waiting_token_budget == 100
 
 
 def test_abort_while_waiting_never_runs() -> None:

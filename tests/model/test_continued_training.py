@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from decoding.translate import translate_sentences
+from decoding.sampling_params import GREEDY
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint, save_checkpoint
 from loading.tokenizer import PAD_ID, Tokenizer
 from model.config import GeneratorConfig
 from model.generator import Generator
 from model.translator import Translator
+from service.engine.offline import OfflineEngine
+from service.engine.request import GenerationParams
 from tests.made_up_plays import plays_text
 from training import train
 from training.average import average_checkpoints
@@ -231,7 +233,10 @@ def test_averaged_weights_of_two_snapshots_load_and_translate(tmp_path: Path) ->
     other = model.state_dict()
     for name, tensor in averaged.state_dict().items():
         torch.testing.assert_close(tensor, (shipped[name] + other[name]) / 2)
-    [[german]] = translate_sentences(averaged, averaged_tokenizer, ["A man is riding a bike."], beam_size=4)
+    [translation] = OfflineEngine(averaged, averaged_tokenizer).generate(
+        ["A man is riding a bike."], GenerationParams(sampling=GREEDY, beam_size=4)
+    )
+    german = translation.text
     assert "Mann" in german
 
 

@@ -17,7 +17,8 @@ from transformers.models.marian.modeling_marian import MarianSinusoidalPositiona
 
 from benchmarks import peers
 from decoding.reference_decoding import generate_greedy_uncached
-from decoding.translate import greedy_translate, max_new_tokens_for
+from decoding.sampling_params import GREEDY
+from decoding.translate import max_new_tokens_for
 from exports.export import export_ct2, export_hf, gpt_neox_config, marian_config, marian_permutation
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_native_checkpoint
 from loading.folder import FolderInfo
@@ -26,6 +27,8 @@ from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
 from model.positions import sinusoidal_table
 from model.translator import Translator
+from service.engine.offline import OfflineEngine
+from service.engine.request import GenerationParams
 from training.data import SHARED_DATA, pad, read_lines
 
 ATOL = 1e-4
@@ -76,6 +79,12 @@ def sources(tokenizer: Tokenizer, n: int) -> tuple[list[list[int]], list[int]]:
     return ids, [max_new_tokens_for(len(s), 256) for s in ids]
 
 
+def translated(model: Translator, tokenizer: Tokenizer, ids: list[list[int]], limits: list[int]) -> list[list[int]]:
+    """Our greedy translations of the sources ids, at most limits[i] tokens each: the serving engine's."""
+    params = [GenerationParams(sampling=GREEDY, max_tokens=n) for n in limits]
+    return [c.token_ids for c in OfflineEngine(model, tokenizer).generate(ids, params)]
+
+
 def until_eos(tokens: list[int], limit: int) -> list[int]:
     tokens = tokens[: tokens.index(EOS_ID)] if EOS_ID in tokens else tokens
     return tokens[:limit]
@@ -106,7 +115,7 @@ def test_transformers_translator_greedy_equals_ours(translator: tuple[Translator
     hf = AutoModelForSeq2SeqLM.from_pretrained(exports / "hf-translator").eval()
     ids, limits = sources(tokenizer, 50)
     src = pad(ids)
-    ours = greedy_translate(model, src, limits)
+    ours = translated(model, tokenizer, ids, limits)
     with torch.no_grad():  # generate() starts from decoder_start_token_id: our <s>
         out = hf.generate(input_ids=src, attention_mask=src != PAD_ID, max_length=max(limits) + 1, do_sample=False, num_beams=1)
     assert out[:, 0].eq(BOS_ID).all()
@@ -118,7 +127,7 @@ def test_ctranslate2_translator_logits_and_greedy_equal_ours(translator: tuple[T
     model, tokenizer = translator
     ct2 = ctranslate2.Translator(str(exports / "ct2-translator"), device="cpu", compute_type="float32", intra_threads=1)
     ids, limits = sources(tokenizer, 50)
-    ours = greedy_translate(model, pad(ids), limits)
+    ours = translated(model, tokenizer, ids, limits)
     pieces = [[tokenizer.sp.id_to_piece(i) for i in s[:-1]] for s in ids]  # ctranslate2 appends </s> itself
     results = ct2.translate_batch(pieces, beam_size=1, max_decoding_length=max(limits), min_decoding_length=0, return_logits_vocab=True)
     theirs = [until_eos([tokenizer.sp.piece_to_id(p) for p in r.hypotheses[0]], limit) for r, limit in zip(results, limits, strict=True)]
@@ -196,7 +205,7 @@ def test_ctranslate2_int8_export(translator: tuple[Translator, Tokenizer], tmp_p
     assert (tmp_path / "int8" / "model.bin").stat().st_size < 0.4 * DEFAULT_TRANSLATOR.joinpath("model.safetensors").stat().st_size
     ct2 = ctranslate2.Translator(str(tmp_path / "int8"), device="cpu", compute_type="int8", intra_threads=1)
     ids, limits = sources(tokenizer, 200)
-    ours = greedy_translate(model, pad(ids), limits)
+    ours = translated(model, tokenizer, ids, limits)
     results = ct2.translate_batch([[tokenizer.sp.id_to_piece(i) for i in s[:-1]] for s in ids], beam_size=1, min_decoding_length=0)
     theirs = [[tokenizer.sp.piece_to_id(p) for p in r.hypotheses[0]] for r in results]
     # Quantized: close, not equal, and how close depends on the CPU's int8 kernels (identical

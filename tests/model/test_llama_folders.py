@@ -19,11 +19,12 @@ from loading.hf.load import load_hf_folder
 from loading.hf_tokenizers import FastTextTokenizer
 from model.config import GeneratorConfig
 from model.generator import Generator
-from model.kv_cache import KVCache
+from model.kv_cache import PagedKVCache
 from model.packed_linear import pack_linear_layers, packing_available
 from model.quantize import quantize_int8
 from tests.hf_folders import EOS, EOT, build_llama_folder, one_line_error, shakespeare_lines
 from tests.model.test_hf_folders import assert_export_after_load_gives_the_folders_tensors, in_bfloat16, tokenizer_texts
+from tests.model.test_models import paged_logits
 
 ATOL = 1e-4
 NEW_TOKENS = 20
@@ -92,21 +93,16 @@ def test_the_configs_say_what_the_folders_hold(folders: dict[str, Path]) -> None
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_equal_transformers_whole_and_through_the_kv_cache(folders: dict[str, Path], variant: str) -> None:
     model, tokenizer = loaded(folders[variant])
-    c = model.config
     hf = AutoModelForCausalLM.from_pretrained(folders[variant]).eval()
     ids = prompts(tokenizer, 3, 100)  # past the llama3 variant's original 64 positions
     with torch.no_grad():
         full = model(ids)
         assert (full - hf(input_ids=ids).logits).abs().max() <= ATOL
-        cache = KVCache(c.n_layers, 4, c.kv_heads, c.max_len, c.head_dim)
-        slots, T = torch.tensor([3, 0, 2]), 40
-        positions = torch.arange(T).expand(3, T)
-        prefill = model(ids[:, :T], positions, list(cache.views(slots, positions, T)), T)
-        assert (prefill - full[:, :T]).abs().max() <= ATOL
-        for t in range(T, ids.shape[1]):
-            position = torch.full((3, 1), t)
-            step = model(ids[:, t : t + 1], position, list(cache.views(slots, position, t + 1)), t + 1)
-            assert (step[:, 0] - full[:, t]).abs().max() <= ATOL, t
+    T = 40
+    prefill, steps = paged_logits(model, ids, [T] * 3, ids.shape[1] - T, block_size=16)  # the paged cache, as the engine's
+    assert (torch.stack(prefill) - full[:, :T]).abs().max() <= ATOL
+    for t, step in enumerate(steps, T):
+        assert (step - full[:, t]).abs().max() <= ATOL, t
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -235,7 +231,9 @@ def test_kv_cache_bytes_per_token_shrink_with_the_key_value_heads() -> None:
     per_token = {}
     for kv_heads in (4, 2, 1):
         config = GeneratorConfig(d_model=64, n_heads=4, n_kv_heads=kv_heads, n_layers=2, max_len=32)
-        per_token[kv_heads] = KVCache(config.n_layers, 1, config.kv_heads, config.max_len, config.head_dim).nbytes // config.max_len
+        per_token[kv_heads] = PagedKVCache.block_bytes(
+            config.n_layers, 1, config.kv_heads, config.head_dim, torch.float32
+        )  # a block of 1 token
     assert per_token == {4: 2 * 2 * 4 * 16 * 4, 2: 2 * 2 * 2 * 16 * 4, 1: 2 * 2 * 1 * 16 * 4}  # layers x (k, v) x heads x D x float32
 
 

@@ -4,15 +4,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
-from decoding.beam_search import beam_search
-from decoding.reference_decoding import generate_greedy_uncached, greedy_translate_uncached
-from decoding.translate import greedy_translate
+from decoding.reference_decoding import beam_search_uncached, generate_greedy_uncached, greedy_translate_uncached
 from loading.checkpoint import load_checkpoint, save_checkpoint
 from loading.tokenizer import Tokenizer
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
-from model.kv_cache import KVCache
+from model.kv_cache import PagedKVCache, ragged_step
 from model.masks import padding_mask
 from model.translator import Translator
 
@@ -68,46 +67,52 @@ def test_right_padding_does_not_change_generator_outputs() -> None:
         torch.testing.assert_close(model(batch)[:1, :9], model(ids), rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def paged_logits(
+    model: Generator, ids: Tensor, prompt_lengths: list[int], steps: int, block_size: int = 4
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The engine's cached path over a paged KV cache (model/kv_cache.py): the rows' prompts
+    ids[row, :n] computed as one ragged step, each row's blocks scattered over the pool, then
+    `steps` steps of one token per row. Returns each row's prompt logits (n, V), and each step's (B, V)."""
+    c, B = model.config, ids.shape[0]
+    per_row = -(-ids.shape[1] // block_size)
+    order = torch.randperm(B * per_row, generator=torch.Generator().manual_seed(0)) + 1  # block 0 is the null block
+    tables = order.view(B, per_row).tolist()
+    cache = PagedKVCache(c.n_layers, B * per_row + 1, block_size, c.kv_heads, c.head_dim)
+
+    def step(counts: list[int], starts: list[int]) -> Tensor:
+        layers = cache.layers(ragged_step(counts, starts, tables, block_size, ids.device, model.positions.alibi_slopes))
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+        rows = torch.cat([torch.full((n,), b) for b, n in enumerate(counts)])
+        return model.forward_ragged(ids[rows, positions], positions, layers, torch.arange(len(positions)))
+
+    prompts = list(step(prompt_lengths, [0] * B).split(prompt_lengths))
+    return prompts, [step([1] * B, [n + t for n in prompt_lengths]) for t in range(steps)]
+
+
 @pytest.mark.parametrize("positions", POSITIONS)
 def test_generator_kv_cache_logits_equal_full_recomputation(positions: str) -> None:
+    """The paged cache's logits (prompts of different lengths computed together, then decodes) equal
+    the full sequences' computed whole."""
     model = tiny_generator(positions)
-    c = model.config
     ids = torch.randint(4, 64, (3, 20))
     prompt_lengths = [5, 9, 3]
-    cache = KVCache(c.n_layers if hasattr(c, "n_layers") else 0, 4, c.n_heads, c.max_len, c.head_dim)
-    slots = torch.tensor([2, 0, 3])  # arbitrary rows of the cache
     with torch.no_grad():
         full = model(ids)  # (3, 20, V)
-        # Prefill all prompts right-padded to the longest, then decode one token at a time per row.
-        T = max(prompt_lengths)
-        positions = torch.arange(T).expand(3, T)
-        prefill = model(ids[:, :T], positions, list(cache.views(slots, positions, T)), T)
-        for row, n in enumerate(prompt_lengths):
-            torch.testing.assert_close(prefill[row, :n], full[row, :n], rtol=1e-4, atol=1e-5)
-        position = torch.tensor(prompt_lengths)
-        for _ in range(8):
-            step_ids = ids[torch.arange(3), position][:, None]
-            length = int(position.max()) + 1
-            step = model(step_ids, position[:, None], list(cache.views(slots, position[:, None], length)), length)
-            torch.testing.assert_close(step[:, 0], full[torch.arange(3), position], rtol=1e-4, atol=1e-5)
-            position = position + 1
-
-
-@pytest.mark.parametrize("positions", POSITIONS)
-def test_translator_cached_greedy_equals_recomputation(positions: str) -> None:
-    model = tiny_translator(positions)
-    src = torch.randint(4, 64, (4, 7))
-    src[1, 5:] = 0
-    assert greedy_translate(model, src, 20) == greedy_translate_uncached(model, src, 20)
+    prompts, steps = paged_logits(model, ids, prompt_lengths, 8)
+    for row, n in enumerate(prompt_lengths):
+        torch.testing.assert_close(prompts[row], full[row, :n], rtol=1e-4, atol=1e-5)
+    for t, logits in enumerate(steps):
+        torch.testing.assert_close(logits, full[torch.arange(3), torch.tensor(prompt_lengths) + t], rtol=1e-4, atol=1e-5)
 
 
 def test_beam_size_one_equals_greedy_and_wider_beams_score_at_least_as_well() -> None:
     model = tiny_translator()
     src = torch.randint(4, 64, (5, 6))
-    greedy = greedy_translate(model, src, 15)
-    beams = beam_search(model, src, beam_size=1, max_new_tokens=15)
+    greedy = greedy_translate_uncached(model, src, 15)
+    beams = beam_search_uncached(model, src, beam_size=1, max_new_tokens=15)
     assert [h[0].tokens for h in beams] == greedy
-    wide = beam_search(model, src, beam_size=4, max_new_tokens=15, n_best=3)
+    wide = beam_search_uncached(model, src, beam_size=4, max_new_tokens=15, n_best=3)
     assert all(len(h) == 3 and h[0].score >= h[1].score >= h[2].score for h in wide)
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoding.reference_decoding import generate_greedy_uncached
-from decoding.translate import greedy_translate
+from decoding.sampling_params import GREEDY
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from loading.tokenizer import EOS_ID
 from model import cpu_kernels
@@ -33,6 +33,8 @@ from model.packed_linear import (
 )
 from model.positions import apply_rope, rope_tables
 from model.translator import Translator
+from service.engine.offline import OfflineEngine
+from service.engine.request import GenerationParams
 from training.data import SHARED_DATA, pad, read_lines
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
@@ -219,11 +221,14 @@ def test_packed_translator_translates_as_the_plain_one() -> None:
     assert isinstance(plain, Translator) and isinstance(packed, Translator)
     pack_linear_layers(packed)
     sentences = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.en.gz")[:32]
-    src = pad([tokenizer.encode(s) + [EOS_ID] for s in sentences])  # (B, S)
+    ids = [tokenizer.encode(s) + [EOS_ID] for s in sentences]
+    src = pad(ids)  # (B, S)
     tgt = src[:, :12]  # any target ids will do for comparing logits
     with torch.inference_mode():
         assert torch.allclose(packed(src, tgt), plain(src, tgt), atol=1e-4)  # (B, T, V)
-        assert greedy_translate(packed, src, 60) == greedy_translate(plain, src, 60)
+    params = GenerationParams(sampling=GREEDY, max_tokens=60)
+    packed_out, plain_out = ([c.token_ids for c in OfflineEngine(m, tokenizer).generate(ids, params)] for m in (packed, plain))
+    assert packed_out == plain_out
 
 
 def test_packed_generator_generates_as_the_plain_one() -> None:

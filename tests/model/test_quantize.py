@@ -9,11 +9,11 @@ import torch
 from sacrebleu.metrics.bleu import BLEU
 from torch import nn
 
-from decoding.translate import translate_sentences
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
 from model.generator import Generator
 from model.quantize import EXACT_FLOAT_K, Int8Linear, int8_matmul
 from model.translator import Translator
+from service.engine.offline import OfflineEngine
 from training.data import SHARED_DATA, read_lines, split_shakespeare
 from training.lm_scoring import nats_per_char
 
@@ -61,7 +61,7 @@ def test_quantize_replaces_every_linear_layer_and_the_output_projection() -> Non
 def _bleu(weights: WeightType, sentences: list[str], references: list[str]) -> float:
     model, tokenizer = load_checkpoint(DEFAULT_TRANSLATOR, "cpu", weights)
     assert isinstance(model, Translator)
-    hypotheses = [h[0] for h in translate_sentences(model, tokenizer, sentences, beam_size=1, length_penalty=1.0, batch_size=64)]
+    hypotheses = [c.text for c in OfflineEngine(model, tokenizer, n_slots=64).generate(sentences)]  # greedy
     return BLEU().corpus_score(hypotheses, [references]).score
 
 

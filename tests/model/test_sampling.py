@@ -25,9 +25,57 @@ def test_greedy_and_filters() -> None:
     assert draws <= {1, 3} and len(draws) == 2
 
 
-def test_nan_logits_fall_back_to_argmax() -> None:
+def test_nan_logits_are_never_drawn() -> None:
     logits = torch.tensor([[float("nan"), 1.0, 5.0, float("nan")]])
-    assert int(sample_next(logits, [SamplingParams(temperature=1.0)], [None])[0]) == 2
+    assert int(sample_next(logits, [SamplingParams(temperature=0.1)], [None])[0]) == 2  # token 1: probability e^-40
+
+
+def plain_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The plain path, one row (V,) at a time: NaN at -inf and +inf at the largest float first, then
+    the filters, then the inverse of the cumulative probabilities at one uniform of the generator."""
+    u = torch.rand(1, generator=generator)
+    if params.greedy:
+        return int(logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max).argmax())
+    clean = logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    filtered = filter_logits(
+        clean[None] / params.temperature, torch.tensor([params.top_k]), torch.tensor([params.top_p]), torch.tensor([params.min_p])
+    )
+    probs = filtered[0].softmax(-1)
+    if not bool(torch.isfinite(probs).all()):
+        return int(clean.argmax())
+    cumulative = probs.cumsum(-1)
+    token = min(int(torch.searchsorted(cumulative, u * cumulative[-1], right=True)), len(probs) - 1)
+    return token if probs[token] > 0 else int(probs.argmax())
+
+
+def test_batched_sampling_draws_what_the_plain_path_draws() -> None:
+    """Rows of every kind in one batch (greedy, temperature, top-k, top-p, min-p; some with NaN or
+    +inf logits) draw, seed for seed, the token the plain one-row path draws."""
+    torch.manual_seed(0)
+    for trial in range(200):
+        logits = torch.randn(6, 300) * 3
+        if trial % 3 == 0:
+            logits[1, 5] = float("nan")
+        if trial % 5 == 0:
+            logits[2, 7] = float("inf")
+        if trial % 4 == 0:
+            logits[4, :] = float("-inf")
+            logits[4, 3] = 0.0
+        params = [
+            SamplingParams(
+                temperature=(0.0, 0.7, 1.0, 1.3)[(trial + i) % 4],
+                top_k=(0, 5)[(trial + i) % 2],
+                top_p=(1.0, 0.8)[(trial // 2 + i) % 2],
+                min_p=(0.0, 0.1)[(trial // 3 + i) % 2],
+            )
+            for i in range(6)
+        ]
+        seeds = [trial * 10 + i for i in range(6)]
+        batched = sample_next(
+            logits, params, [None if p.greedy else torch.Generator().manual_seed(s) for p, s in zip(params, seeds, strict=True)]
+        )
+        plain = [plain_sample(row, p, torch.Generator().manual_seed(s)) for row, p, s in zip(logits, params, seeds, strict=True)]
+        assert batched.tolist() == plain, trial
 
 
 def test_greedy_rows_skip_the_cleanup_only_when_no_row_is_poisoned() -> None:

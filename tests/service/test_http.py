@@ -12,9 +12,9 @@ import openai
 import pytest
 from httpx_sse import connect_sse
 
-from decoding.translate import translate_sentences
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from loading.tokenizer import Tokenizer
+from service.engine.offline import OfflineEngine
 from tests.helpers import TEST_CONFIG, astream_data, leave_stream, replica_stats, stream_data
 from training.data import SHARED_DATA, read_lines
 
@@ -106,7 +106,7 @@ def test_translate_matches_the_evaluation_cli(service_url: str, tmp_path: Path) 
     )
     cli_beam4 = output.read_text().splitlines()
     model, tokenizer = load_checkpoint(DEFAULT_TRANSLATOR)
-    greedy = [h[0] for h in translate_sentences(model, tokenizer, sentences, beam_size=1)]
+    greedy = [c.text for c in OfflineEngine(model, tokenizer).generate(sentences)]  # the engine in-process, as training.evaluate runs it
 
     v1 = httpx.post(f"{service_url}/v1/translate", json={"text": sentences, "beam_size": 1}, timeout=120).json()
     assert [t["text"] for t in v1["translations"]] == greedy
