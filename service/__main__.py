@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import urllib.request
@@ -55,7 +56,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "per power-of-two bucket, each bucket kept where it measures faster",
     )
     parser.add_argument("--cors-origin", action="append", default=[], help="an origin browsers may call the API from (repeatable)")
+    parser.add_argument(
+        "--through-proxy",
+        action="store_true",
+        help="answer HTTP through Serve's proxy, as a Serve config deploys it, instead of the ingress replica itself",
+    )
     return parser.parse_args(argv)
+
+
+def direct_ingress_environment(port: int) -> dict[str, str]:
+    """Ray Serve's direct ingress: the ingress replica answers HTTP on `port` itself, and a token
+    crosses one Ray hop (model replica -> ingress) instead of two (-> the proxy): 1.2x the tokens/s
+    at 256 streams and half the time to first token (docs/performance.md). Serve's proxy still
+    runs, on a port of its own: Serve starts direct ingress only beside one."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive: the one ingress replica gets exactly this port
+    }
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now, on host (for Serve's proxy)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:
@@ -154,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     from service.app import build_app
 
     os.environ.update(RAY_ENVIRONMENT)
+    proxy_port = None if args.through_proxy else free_port(args.host)
+    if proxy_port is not None:
+        os.environ.update(direct_ingress_environment(args.port))
     ray.init(
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
@@ -161,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         configure_logging=True,
         logging_level=logging.WARNING,
     )
-    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.start(http_options={"host": args.host, "port": args.port if proxy_port is None else proxy_port})
     serve.run(build_app(config), name="transformers", route_prefix="/")
     url = f"http://{args.host}:{args.port}"
     wait_ready(url)
