@@ -73,6 +73,7 @@ def direct_ingress_environment(port: int) -> dict[str, str]:
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive: the one ingress replica gets exactly this port
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",  # no external load balancer to leave: stop as the proxy would
     }
 
 

@@ -4,6 +4,7 @@ thread runs the step loop (torch releases the GIL, so the event loop stays respo
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -30,11 +31,18 @@ class _Abort:
     request_id: str
 
 
+# How long a thread holding the GIL keeps it while another waits (Python's default: 5 ms). The step
+# loop gives the GIL up around every torch operation and must take it back to go on: with the
+# replica's event loop busy streaming, it would wait up to the interval each time, dozens of times a step.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 class AsyncEngine:
     """Owns an Engine and the thread that steps it. All engine state is touched by that thread only;
-    callers talk to it through an inbox."""
+    callers talk to it through an inbox. Sets the process's GIL switch interval (GIL_SWITCH_INTERVAL_S)."""
 
     def __init__(self, engine: Engine) -> None:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.Queue[Delta], asyncio.AbstractEventLoop]] = {}
