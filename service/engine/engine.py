@@ -6,9 +6,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from decoding.beam_search import Hypothesis
 from loading.checkpoint import WeightType, load_checkpoint
 from model.packed_linear import pack_linear_layers, packing_available
 from service.engine.config import EngineConfig, FinishReason, TokenLogprob
@@ -276,33 +278,26 @@ class Engine:
         report.generated_tokens += tokens
 
     def _update(self, r: Request, output: RunnerOutput, now: float, report: StepReport) -> Delta | None:
+        """What r's part of the step means: a beam search that ended, a prompt scored alone, or a
+        streamed token checked by its grammar, then by the stop conditions (`_ending`)."""
         hypotheses = output.hypotheses.get(r.request_id)
         if hypotheses is not None:
-            best = hypotheses[0].tokens
-            self._token_timing(r, now, len(best), report)
-            r.output_ids = best
-            reason: FinishReason = "length" if len(best) >= r.max_tokens else "stop"
-            texts = [self.runner.tokenizer.decode(h.tokens) for h in hypotheses]
-            self.scheduler.finish(r, reason)
-            return self._finish(r, reason, report, text=texts[0], alternatives=texts[1:])
+            return self._beams_ended(r, hypotheses, now, report)
         token = output.tokens.get(r.request_id)
         if token is None:
             return None  # a beam search still running: nothing to stream
         scored = output.prompt_logprobs.get(r.request_id)  # the prompt's logprobs, at its prefill
         if r.max_tokens == 0:  # the prompt scored alone (GenerationParams.prompt_logprobs)
             self._token_timing(r, now, 0, report)
-            self.scheduler.finish(r, "length")
-            return self._finish(r, "length", report, prompt_logprobs=scored)
+            return self._end(r, "length", report, prompt_logprobs=scored)
         self._token_timing(r, now, 1, report)
         problem = self._grammar_problem(r, [token])
         if problem is None and token in self.runner.eos_ids and not r.params.ignore_eos:
             problem = self._finished_output_problem(r)
             if problem is None:
-                self.scheduler.finish(r, "stop")
-                return self._finish(r, "stop", report, prompt_logprobs=scored)
+                return self._end(r, "stop", report, prompt_logprobs=scored)
         if problem is not None:
-            self.scheduler.finish(r, "constraint")
-            return self._finish(r, "constraint", report, error=problem)
+            return self._end(r, "constraint", report, error=problem)
         r.output_ids.append(token)
         forced = self._fast_forward(r)
         report.generated_tokens += len(forced)
@@ -315,11 +310,9 @@ class Engine:
         if r.grammar is not None and (ending == "stop" or r.grammar.is_error()):
             problem = self._grammar_problem(r, []) or self._finished_output_problem(r)
             if problem is not None:
-                self.scheduler.finish(r, "constraint")
-                return self._finish(r, "constraint", report, error=problem)
+                return self._end(r, "constraint", report, error=problem)
         if ending is not None:
-            self.scheduler.finish(r, ending)
-            return self._finish(r, ending, report, text=text, token_ids=token_ids, logprobs=logprobs, prompt_logprobs=scored)
+            return self._end(r, ending, report, text=text, token_ids=token_ids, logprobs=logprobs, prompt_logprobs=scored)
         return Delta(
             r.request_id,
             text,
@@ -330,6 +323,19 @@ class Engine:
             logprobs=logprobs,
             prompt_logprobs=scored,
         )
+
+    def _beams_ended(self, r: Request, hypotheses: list[Hypothesis], now: float, report: StepReport) -> Delta:
+        """A beam search's end: its best hypothesis is the output, the others' texts its alternatives."""
+        best = hypotheses[0].tokens
+        self._token_timing(r, now, len(best), report)
+        r.output_ids = best
+        texts = [self.runner.tokenizer.decode(h.tokens) for h in hypotheses]
+        return self._end(r, "length" if len(best) >= r.max_tokens else "stop", report, text=texts[0], alternatives=texts[1:])
+
+    def _end(self, r: Request, reason: FinishReason, report: StepReport, **last: Any) -> Delta:
+        """Finishes r in the scheduler (its blocks and slots free now) and returns its last delta (`_finish`)."""
+        self.scheduler.finish(r, reason)
+        return self._finish(r, reason, report, **last)
 
     def _ending(self, r: Request, stop_string: bool) -> FinishReason | None:
         """Why the request ends after its newest tokens, if it does: a stop string, a grammar that
