@@ -54,8 +54,9 @@ class EngineConfig:
     max_waiting: int = 1024
     # Tokens one step computes (vLLM's max_num_batched_tokens): a decoder-only model's running
     # decodes first, then prompt chunks in what is left, so a long prompt is computed over several
-    # steps while every stream keeps producing; a translator's source tokens admitted per step,
-    # and encoded with them ahead of their admission for the waiting requests next in line.
+    # steps while every stream keeps producing; a translator's running rows (a token each, each
+    # beam one), then the sources it admits in what is left, and encoded with them ahead of their
+    # admission for the waiting requests next in line.
     max_num_batched_tokens: int = 512
     policy: BatchingPolicy = "continuous"
     max_tokens_cap: int | None = None  # the most tokens one request may ask for (None: what the context allows)

@@ -21,7 +21,7 @@ from service.engine.grammar_check import first_line
 from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.runner import ModelRunner, RunnerOutput, runner_for
-from service.engine.scheduler import BlockScheduler, Scheduler, SchedulerOutput
+from service.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +77,18 @@ class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig) -> None:
         self.runner = runner
         self.config = config
-        limits = (
+        pool = runner.kv_pool
+        self.blocks = None if pool is None else KVBlockManager(pool.num_blocks, pool.block_size, pool.prefix_caching, pool.salt)
+        self.scheduler = Scheduler(
+            config.n_slots,
             config.max_waiting,
             config.max_num_batched_tokens,
             config.policy,
             config.queue_timeout_s,
             config.request_timeout_s,
-            runner.release,
+            self.blocks,
+            decoder_only=pool is not None and not pool.encoder_decoder,
         )
-        pool = runner.kv_pool
-        self.blocks = None if pool is None else KVBlockManager(pool.num_blocks, pool.block_size, pool.prefix_caching, pool.salt)
-        self.scheduler = Scheduler(config.n_slots, *limits) if self.blocks is None else BlockScheduler(self.blocks, config.n_slots, *limits)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pieces = PieceBytes(runner.tokenizer)  # every request's detokenizer reads its tokens' bytes here
         self.grammars = GrammarCompiler(runner.tokenizer, runner.eos_ids, config.grammar_max_bytes, config.grammar_compile_timeout_s)
@@ -223,13 +224,15 @@ class Engine:
                     self.scheduler.finish(r, "error")
                     deltas.append(self._finish(r, "error", report, error=f"internal error: {type(error).__name__}"))
             else:
-                if isinstance(self.scheduler, BlockScheduler):
-                    self.scheduler.advance(plan)
+                self.scheduler.advance(plan)
                 now = time.monotonic()
                 for r in plan.prefill + plan.decode:
                     delta = self._update(r, output, now, report)
                     if delta is not None:
                         deltas.append(delta)
+                    parents = output.parents.get(r.request_id)
+                    if parents is not None and not r.finished:
+                        self.scheduler.fork(r, parents)  # the beams' blocks reordered; the copies go in the next plan
         report.prefill_seconds = output.prefill_seconds
         report.step_seconds = time.perf_counter() - started
         self._publish_report(plan, report)
@@ -244,9 +247,9 @@ class Engine:
 
     def _publish_report(self, plan: SchedulerOutput, report: StepReport) -> None:
         report.batch_size = plan.batch_size
-        if plan.num_tokens:
+        if self.scheduler.decoder_only:
             report.prefill_tokens = sum(plan.num_tokens[r.request_id] for r in plan.prefill)
-        else:
+        else:  # the sources encoded
             report.prefill_tokens = sum(len(r.prompt_ids) for r in plan.prefill)
         report.running, report.waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         report.kv_cache_usage = self.scheduler.kv_usage
@@ -369,7 +372,7 @@ class Engine:
         (llguidance's fast-forward, "jump-forward" decoding): the next step computes them with the
         token it samples after them, as a prompt chunk. Paged KV only; not where logprobs are asked
         (a forced token has none computed). At most what max_tokens leaves."""
-        if r.grammar is None or not self.config.grammar_fast_forward or self.blocks is None or r.params.logprobs is not None:
+        if r.grammar is None or not self.config.grammar_fast_forward or not self.scheduler.decoder_only or r.params.logprobs is not None:
             return []
         forced = r.grammar.compute_ff_tokens()[: r.max_tokens - len(r.output_ids)]
         if forced and self._grammar_problem(r, forced) is None:

@@ -58,9 +58,6 @@ class FaultInjectingRunner:
     def encode_prompt(self, text: str) -> list[int]:
         return self.runner.encode_prompt(text)
 
-    def release(self, slots: list[int]) -> None:
-        self.runner.release(slots)
-
     def default_max_tokens(self, prompt_length: int) -> int:
         return self.runner.default_max_tokens(prompt_length)
 

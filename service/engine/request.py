@@ -49,8 +49,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     slots: list[int] = field(default_factory=list)  # cache rows held (beam_size of them while running)
     output_ids: list[int] = field(default_factory=list)
-    # Paged KV (BlockScheduler): tokens of prompt_ids + output_ids whose keys are in the cache, and
-    # the prompt's logprobs gathered over its chunks until the prompt is done.
+    # Tokens whose keys are in the KV cache: a decoder-only model's of prompt_ids + output_ids, an
+    # encoder-decoder's decoder tokens (each row's); the prompt's logprobs gathered over its chunks
+    # until the prompt is done (decoder-only).
     num_computed_tokens: int = 0
     prompt_logprobs_so_far: list[TokenLogprob] = field(default_factory=list)
     preemptions: int = 0

@@ -20,12 +20,8 @@ from model.translator import Translator
 from service.engine.compiled_decode import CompiledDecode
 from service.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, TokenLogprob, serving_context
 from service.engine.fixed_shape import GeneratorDecoder, PagedFed, TranslatorDecoder
-from service.engine.grammar import GrammarMasks
-from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Request
 from service.engine.scheduler import SchedulerOutput
-
-Fed = dict[int, tuple[int, int]]  # slot -> (token, position) of every sequence of a translator's step
 
 
 @dataclass
@@ -38,6 +34,7 @@ class RunnerOutput:
     hypotheses: dict[str, list[Hypothesis]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # the token's, for requests that ask (GenerationParams)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # at the prefill, for those that ask
+    parents: dict[str, list[int]] = field(default_factory=dict)  # a beam search still running: beam b continues beam parents[b]
     prefill_seconds: float = 0.0  # the prompt / encoder pass of the plan's new requests
 
 
@@ -63,18 +60,16 @@ class ModelRunner(Protocol):
         """The output length limit when a request sets none."""
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """One step: the prefill of plan.prefill, then one token for every running sequence."""
+        """One step: the plan's block copies (blocks_to_copy) before any key is written, the prefill of
+        plan.prefill, then one token for every running sequence, its keys in its plan.block_tables."""
 
     @property
     def kv_cache_bytes(self) -> int: ...
 
     @property
     def kv_pool(self) -> "KVPool | None":
-        """Paged KV (the engine then schedules by blocks), or None: a cache row per slot."""
-
-    def release(self, slots: list[int]) -> None:
-        """A request's slots are free (it finished, or was aborted or preempted): what the runner
-        keeps for them goes back now."""
+        """The paged KV cache's pool, whose blocks the engine's scheduler hands out (the plan carries
+        each sequence's block table), or None: no paged KV, slots alone."""
 
 
 def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) -> list[int]:
@@ -126,12 +121,13 @@ def record_logprobs(output: RunnerOutput, logits: Tensor, tokens: list[int], req
 
 @dataclass(frozen=True)
 class KVPool:
-    """A paged runner's pool, as the engine's BlockScheduler hands it out: block 0 is the null block."""
+    """A paged runner's pool, as the engine's Scheduler hands it out: block 0 is the null block."""
 
     num_blocks: int
     block_size: int
     prefix_caching: bool
     salt: str  # in every block hash: the model (its shape and weights' identity)
+    encoder_decoder: bool  # the blocks hold a decoder's tokens, a sequence per row (a source is not in them); else prompts too
 
 
 def kv_pool_blocks(config: EngineConfig, context: int, block_bytes: int, block_size: int, device: torch.device) -> int:
@@ -196,7 +192,7 @@ class GeneratorRunner:
         num_blocks = kv_pool_blocks(config, self.max_len, block_bytes, config.block_size, self.device)
         self.cache = PagedKVCache(c.n_layers, num_blocks, config.block_size, c.kv_heads, c.head_dim, self.device, dtype)
         salt = f"{type(model).__name__}:{c}:{id(model)}"  # one pool per model object: the salt keeps the hashes apart regardless
-        self.kv_pool = KVPool(num_blocks, config.block_size, config.prefix_caching, salt)
+        self.kv_pool = KVPool(num_blocks, config.block_size, config.prefix_caching, salt, encoder_decoder=False)
         self.max_prompt_len = self.max_len - 1
         self.bos_id, self.eos_id, self.pad_id = c.bos_id, c.eos_id, c.pad_id
         self.eos_ids = frozenset(c.eos_ids)
@@ -225,9 +221,6 @@ class GeneratorRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return self.cache.nbytes
-
-    def release(self, slots: list[int]) -> None:
-        """Nothing to do: a sequence's blocks are the scheduler's (the engine's KVBlockManager)."""
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -376,9 +369,10 @@ class TranslatorRunner:
         """max_context: EngineConfig.max_context (None: its default), the length of the source
         (cross-attention) and target caches. fixed_shape_decode: as GeneratorRunner's.
         compiled_decode: EngineConfig.compiled_decode (where the CPU kernel reads the sources). The
-        decoder's self-attention keys are paged (blocks of block_size tokens, a pool that holds
-        every slot's whole context and a block per slot for beam forks, so that a step never
-        waits for one); a beam that continues another shares its full blocks and copies its last.
+        decoder's self-attention keys are paged: blocks of block_size tokens, a pool (kv_pool) that
+        holds every slot's whole context and a block per slot for beam forks, so that a step never
+        waits for one; the engine's scheduler hands them out, a row (slot) a sequence, and forks a
+        beam that continues another (its full blocks shared, its last copied: the plan's blocks_to_copy).
         encoded_ahead_tokens: the most source tokens whose cross-attention keys and values are kept
         for requests still waiting (encoded with an earlier step's sources: `_encode`); 0: none."""
         c = model.config
@@ -389,14 +383,13 @@ class TranslatorRunner:
         self.max_len = serving_context(max_context, c.max_len)
         num_blocks = n_slots * (-(-self.max_len // block_size) + 1) + 1  # + the null block
         self.cache = PagedKVCache(n_layers, num_blocks, block_size, c.n_heads, c.head_dim, self.device, dtype)
-        self.blocks = KVBlockManager(num_blocks, block_size, prefix_caching=False)  # a sequence per slot (its id: str(slot))
+        self.kv_pool = KVPool(num_blocks, block_size, prefix_caching=False, salt="", encoder_decoder=True)  # a sequence per row
         self.cross_cache = CrossAttentionCache(n_layers, n_slots, c.n_heads, self.max_len, c.head_dim, self.device, dtype)
         self.max_prompt_len = self.max_len
         self.start_id, self.eos_id, self.pad_id = c.start_id, c.eos_id, c.pad_id
         self.eos_ids = frozenset(c.eos_ids)
         self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
-        self.kv_pool = None  # admission by slots (a beam a slot): the pool always holds them
         self.ragged_encode = model.positions.alibi_slopes is None  # new sources side by side (ALiBi's biases: padded)
         # Request id -> its source's cross-attention keys and values, per layer ((S, H, D) each), for
         # requests still waiting whose sources were encoded ahead.
@@ -422,20 +415,19 @@ class TranslatorRunner:
     def kv_cache_bytes(self) -> int:
         return self.cache.nbytes + self.cross_cache.nbytes
 
-    def release(self, slots: list[int]) -> None:
-        """The slots' decoder blocks go back to the pool."""
-        for slot in slots:
-            self.blocks.release(str(slot))
-
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The plan's block copies (beam forks of the step before: before any key is written), the
+        new sources' encoder pass, then a decoder step for every running row (`_decode`)."""
+        if plan.blocks_to_copy:
+            self.cache.copy_blocks(*(torch.tensor(column) for column in zip(*plan.blocks_to_copy, strict=True)))
         output = RunnerOutput()
         if plan.prefill:
             started = time.perf_counter()
             self._encode(plan.prefill, plan.upcoming)
             self._start_beams(plan.prefill)
             output.prefill_seconds = time.perf_counter() - started
-        self._decode(plan.prefill + plan.decode, output, plan.grammar)
+        self._decode(plan, output)
         return output
 
     def _encode(self, requests: list[Request], upcoming: list[Request]) -> None:
@@ -514,12 +506,15 @@ class TranslatorRunner:
         sequences = r.beams.sequences if r.beams is not None else [r.output_ids]
         return [s[-1] if s else self.start_id for s in sequences[: len(self._rows_of(r))]]
 
-    def _decode(self, requests: list[Request], output: RunnerOutput, grammar: GrammarMasks | None) -> None:
+    def _decode(self, plan: SchedulerOutput, output: RunnerOutput) -> None:
         """One decoder step for every running sequence (each beam a row, but a beam search's first
-        step), then beams are reordered: a row that continues another row's beam takes its blocks
-        (block_table fork)."""
+        step), each row's token at position num_computed_tokens in the blocks of its table in the
+        plan; a beam search still running reports its beams' parents (the engine forks their blocks)."""
+        requests = plan.prefill + plan.decode
         fed = {
-            slot: (token, self._step_of(r)) for r in requests for slot, token in zip(self._rows_of(r), self._last_tokens(r), strict=True)
+            slot: (token, r.num_computed_tokens, plan.block_tables[str(slot)])
+            for r in requests
+            for slot, token in zip(self._rows_of(r), self._last_tokens(r), strict=True)
         }
         logits, fed_rows = self.step_logits(fed, [r.slots for r in requests], max(len(r.prompt_ids) for r in requests))  # (N, V)
         suppress(logits, self.suppressed)  # once for the step's beams and streamed rows alike
@@ -530,26 +525,21 @@ class TranslatorRunner:
             # (sum of K,): each beam's row, read in place, not copied; at a first step, the first beam's for all
             beam_rows = torch.tensor([row_of[s] if s in row_of else row_of[r.slots[0]] for r in beams for s in r.slots])
             states = [r.beams for r in beams if r.beams is not None]
-            copies: list[tuple[int, int, int]] = []  # (parent's last block, the child's copy, tokens written in it)
             for r, state, (parents, _) in zip(beams, states, step_beams(states, logits, beam_rows), strict=True):
-                # A row that continues itself keeps its blocks; one that continues another's beam takes its.
-                pairs = [(str(r.slots[parent]), str(r.slots[beam])) for beam, parent in enumerate(parents) if parent != beam]
-                tokens = fed[r.slots[0]][1] + 1  # each beam's, this step's included
-                copies += [(a, b, tokens % self.cache.block_size) for a, b in self.blocks.fork(pairs, tokens)]
                 if state.done:
                     output.hypotheses[r.request_id] = state.best(r.params.n_best)
-            if copies:
-                self.cache.copy_blocks(*(torch.tensor(column) for column in zip(*copies, strict=True)))
+                else:
+                    output.parents[r.request_id] = parents
         if streamed:
             streamed_logits = in_order(logits, [row_of[r.slots[0]] for r in streamed])  # (S, V)
-            if grammar is not None:
-                grammar.apply(streamed_logits, [r.request_id for r in streamed])
+            if plan.grammar is not None:
+                plan.grammar.apply(streamed_logits, [r.request_id for r in streamed])
             sampled = _sample(streamed_logits, streamed, self.eos_ids)
             output.tokens.update({r.request_id: t for r, t in zip(streamed, sampled, strict=True)})
 
-    def step_logits(self, fed: Fed, slots_of_requests: list[list[int]], source_length: int) -> tuple[Tensor, list[int]]:
+    def step_logits(self, fed: PagedFed, slots_of_requests: list[list[int]], source_length: int) -> tuple[Tensor, list[int]]:
         """Next-token logits (N, V) of one decoder step, and the row of each sequence of fed (slot ->
-        (token, position); blocks allocated to hold it) among them, in fed's order; suppressed ids
+        (token, position, block table: its blocks hold it)) among them, in fed's order; suppressed ids
         not yet applied; source_length: the longest source. The fixed-shape step (rows in fed's
         order), or the dynamic one. There, with the CPU kernel, the rows are fed's, in order, and
         each reads its source keys in place (a sentence's beams all from its first slot's copy,
@@ -558,11 +548,8 @@ class TranslatorRunner:
         sources through views of the cross cache, where a sentence's beams read its keys once
         when the rows are aligned blocks of one beam width (`beam_group`, from each request's slots).
         With the CPU kernel, a step of as many rows as a batch size the compiled step runs (CompiledDecode) runs through its graph."""
-        for slot, (_, position) in fed.items():
-            assert self.blocks.allocate(str(slot), position + 1), "the pool holds every slot's whole context"
-        paged = {slot: (token, position, self.blocks.table(str(slot))) for slot, (token, position) in fed.items()}
         if self.fixed_shape is not None:
-            return self.fixed_shape(paged, source_length), list(range(len(fed)))
+            return self.fixed_shape(fed, source_length), list(range(len(fed)))
         memory_kv: list[tuple[Tensor, Tensor]] | list[SourceLayer]
         sources = None
         if self.reads_sources_in_place:  # each row's source keys read in place by the CPU kernel
@@ -575,7 +562,7 @@ class TranslatorRunner:
             group = beam_group(slots_of_requests, rows)  # rows sharing a source: read its keys once
             memory_kv, src_mask = self.cross_cache.read(rows[::group], source_length)
         idle: tuple[int, int, list[int]] = (self.pad_id, 0, [])
-        ids, positions, tables = (list(column) for column in zip(*(paged.get(row, idle) for row in rows), strict=True))
+        ids, positions, tables = (list(column) for column in zip(*(fed.get(row, idle) for row in rows), strict=True))
         ids_tensor = torch.tensor(ids, device=self.device)  # (rows,)
         logits = self.compiled(ids_tensor, positions, tables, sources) if self.compiled is not None else None  # (rows, V)
         if logits is None:
@@ -585,11 +572,6 @@ class TranslatorRunner:
             logits = self.model.decode(ids_tensor[:, None], memory_kv, src_mask, positions_tensor[:, None], layers, 0, group)[:, -1]
         row_of = {row: i for i, row in enumerate(rows)}
         return logits, [row_of[s] for s in fed]
-
-    @staticmethod
-    def _step_of(r: Request) -> int:
-        """Position of the token fed this step: the number of tokens generated so far."""
-        return len(r.beams.sequences[0]) if r.beams is not None else len(r.output_ids)
 
 
 def runner_for(model: Translator | Generator, tokenizer: TextTokenizer, config: EngineConfig) -> ModelRunner:

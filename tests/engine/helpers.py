@@ -53,7 +53,7 @@ class FakeRunner:
     max_len: int = 1100
     max_prompt_len: int = 100
     strip_leading_space: bool = False
-    kv_pool: None = None  # a row per slot: the engine's slot scheduler
+    kv_pool: None = None  # no paged KV: the scheduler admits by slots alone
     fail_on: set[str] = field(default_factory=set)  # request ids whose step raises
     executed: list[SchedulerOutput] = field(default_factory=list)
     step_seconds: float = 0.0  # simulated model time per step, added to `clock`
@@ -75,9 +75,6 @@ class FakeRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return 0
-
-    def release(self, slots: list[int]) -> None:
-        """Nothing is kept per slot."""
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if self.steps is not None:

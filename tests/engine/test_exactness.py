@@ -15,6 +15,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner, TranslatorRunner, beam_group, decode_rows
+from service.engine.scheduler import SchedulerOutput
 from tests.engine.helpers import PROMPTS, FakeTokenizer, context_sensitive_generator, deltas_of, run
 
 
@@ -168,7 +169,30 @@ def test_a_beam_searchs_first_step_feeds_its_first_beam_only() -> None:
     assert fed_rows[0] == 1 and set(fed_rows[1:]) == {4}
     expected = beam_search_uncached(runner.model, torch.tensor([source]), beam_size=4, max_new_tokens=10)[0]
     assert finals[0].text == FakeTokenizer().decode(expected[0].tokens)
-    assert engine.scheduler.slots.num_free == 16 and runner.blocks.num_free == runner.blocks.num_blocks - 1
+    assert engine.scheduler.slots.num_free == 16 and engine.blocks is not None and engine.blocks.num_free == engine.blocks.num_blocks - 1
+
+
+def test_a_beam_searchs_forks_are_copied_by_the_next_step_unless_it_ended() -> None:
+    """After a beam search's first step every beam continues the first: the scheduler forks the
+    rows, and the next plan carries the copies of the first row's last block for the 3 others (the
+    runner makes them before the step writes a key). A request ended in between takes its copies
+    with it: the next plan copies nothing into its freed blocks."""
+    params = GenerationParams(max_tokens=10, beam_size=4)
+    engine = translator_engine()
+    plans: list[SchedulerOutput] = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan: plans.append(plan) or execute(plan)  # type: ignore[method-assign]
+    engine.add_request(Request("b", [5, 9, 13, 7, EOS_ID], params))
+    engine.step()
+    engine.step()
+    assert plans[0].blocks_to_copy == [] and [tokens for _, _, tokens in plans[1].blocks_to_copy] == [1, 1, 1]
+    engine = translator_engine()
+    engine.add_request(Request("b", [5, 9, 13, 7, EOS_ID], params))
+    engine.step()
+    engine.abort("b")
+    plan = engine.scheduler.schedule()
+    assert [r.request_id for r in plan.aborted] == ["b"] and plan.blocks_to_copy == []
+    assert engine.blocks is not None and engine.blocks.num_free == engine.blocks.num_blocks - 1
 
 
 def test_decode_rows_span_the_slots_unless_too_sparse() -> None:

@@ -146,8 +146,9 @@ def test_bucketed_translator_step_equals_the_dynamic_step_at_every_bucket_bounda
                 if beam_blocks:  # every slot up to an even count
                     fed = {s: fed.get(s, (7, length - 1)) for s in range(min(batch + batch % 2, N_SLOTS - 1))}
                 slots_of_requests = [list(fed)[i : i + 2] for i in range(0, len(fed), 2)] if beam_blocks else [[s] for s in fed]
-                expected = in_order(*dynamic.step_logits(fed, slots_of_requests, sources))  # (R, V) in fed's order
-                got = in_order(*fixed.step_logits(fed, slots_of_requests, sources))
+                paged = with_tables(fed)
+                expected = in_order(*dynamic.step_logits(paged, slots_of_requests, sources))  # (R, V) in fed's order
+                got = in_order(*fixed.step_logits(paged, slots_of_requests, sources))
                 assert_same_logits(got, expected, f"batch {batch}, length {length}, source {sources}")
 
 

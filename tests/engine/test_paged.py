@@ -1,5 +1,5 @@
 """Paged KV, prefix caching, chunked prefill and preemption (service/engine/kv_blocks.py, the
-BlockScheduler, the ragged step): the block manager's invariants, and the engine's outputs with
+scheduler, the ragged step): the block manager's invariants, and the engine's outputs with
 each of them on equal to transformers' and to the engine's own plain run."""
 
 import random
@@ -319,7 +319,8 @@ def test_the_translators_beams_return_every_block_when_they_end() -> None:
     ]
     finals = deltas_of(engine, {0: requests[:2], 1: requests[2:]})
     assert all(deltas[-1].finish_reason in ("stop", "length") for deltas in finals.values())
-    assert runner.blocks.num_free == runner.blocks.num_blocks - 1 and not runner.blocks.sequences
+    blocks = engine.blocks  # the scheduler's: the runner keeps none
+    assert blocks is not None and blocks.num_free == blocks.num_blocks - 1 and not blocks.sequences
 
 
 def test_in_order_copies_only_rows_out_of_order() -> None:

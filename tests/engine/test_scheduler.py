@@ -196,7 +196,7 @@ def test_static_policy_admits_only_when_the_batch_has_drained() -> None:
 
 
 def test_beam_requests_hold_beam_size_slots() -> None:
-    scheduler = Scheduler(n_slots=4, max_waiting=4, max_prefill_tokens=100)
+    scheduler = Scheduler(n_slots=4, max_waiting=4, max_num_batched_tokens=100)
     scheduler.add(request("beam", [10], beam_size=3))
     scheduler.add(request("greedy-1", [10]))
     scheduler.add(request("greedy-2", [10]))
@@ -266,7 +266,7 @@ def test_deadlines_end_requests_with_timeout_and_free_their_slots(monkeypatch: p
 
 
 def test_a_step_with_admissions_names_the_next_waiting_requests_within_its_budget() -> None:
-    scheduler = Scheduler(n_slots=1, max_waiting=10, max_prefill_tokens=10)
+    scheduler = Scheduler(n_slots=1, max_waiting=10, max_num_batched_tokens=10)
     for i, n in enumerate([3, 4, 2, 5, 1]):
         scheduler.add(request(f"r{i}", [7] * n))
     plan = scheduler.schedule()
@@ -274,3 +274,16 @@ def test_a_step_with_admissions_names_the_next_waiting_requests_within_its_budge
     assert [r.request_id for r in plan.upcoming] == ["r1", "r2"]  # 3 + 4 + 2 tokens; r3's 5 more pass the budget of 10
     assert [r.request_id for r in scheduler.waiting] == ["r1", "r2", "r3", "r4"]  # upcoming ones are not admitted
     assert scheduler.schedule().upcoming == []  # no admission, nothing upcoming
+
+
+def test_running_rows_take_the_token_budget_before_admissions() -> None:
+    """A step's budget counts the tokens it computes: an admission's prompt and first token, a
+    running request's rows one each (each beam one); admissions wait while the rows take it all."""
+    scheduler = Scheduler(n_slots=8, max_waiting=4, max_num_batched_tokens=6)
+    scheduler.add(request("beams", [10, 9, 9, 9, 9], beam_size=6))
+    scheduler.add(request("next", [20]))
+    assert [r.request_id for r in scheduler.schedule().prefill] == ["beams"]  # 5 + 1 tokens: the whole budget
+    plan = scheduler.schedule()
+    assert [r.request_id for r in plan.decode] == ["beams"] and plan.prefill == []  # 6 rows: 2 slots free, no budget left
+    scheduler.finish(plan.decode[0], "stop")
+    assert [r.request_id for r in scheduler.schedule().prefill] == ["next"]
