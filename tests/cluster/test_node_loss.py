@@ -111,7 +111,9 @@ def test_losing_the_worker_node_under_load_loses_no_request(cluster: tuple[Local
             time.sleep(1)  # a poll interval: the loop ends on the gauge
         raylet.kill()
 
-    load = Load(streams=8, completions=4, translations=4, max_requests=1000, max_tokens=48)
+    # Requests of 160 tokens (seconds each here): a worker seen busy is still busy when the kill lands.
+    # With 48, one run under a loaded machine lost nothing (every request on the worker had ended).
+    load = Load(streams=8, completions=4, translations=4, max_requests=1000, max_tokens=160)
     scenario = Scenario(
         load=load, stop_when=served_after_the_loss, settled=lambda replicas: True, action=kill_while_the_worker_serves, action_after=40
     )
