@@ -252,13 +252,30 @@ class GeneratorRunner:
             step = ragged_step(counts, starts, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
             logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
             step_rows = StepRows(self.model.hidden_ragged(ids, positions, self.cache.layers(step), logit_rows), self.model.logits)
-        if not any(scored):  # a row per sampling request, in order: logits a block of rows at a time
+        if any(scored):
+            sampling, next_logits = self._score_prompts(output, requests, counts, starts, done, scored, step_rows.logits(0, len(rows)))
+            self._sample_blocks(plan, sampling, lambda a, b: next_logits[a:b], output)
+        else:  # a row per sampling request, in order: logits a block of rows at a time
             sampling = [r for r, d in zip(requests, done, strict=True) if d]
             self._sample_blocks(plan, sampling, lambda a, b: suppress(step_rows.logits(a, b), self.suppressed), output)
-            if plan.prefill:
-                output.prefill_seconds = time.perf_counter() - started
-            return output
-        logits = suppress(step_rows.logits(0, len(rows)), self.suppressed)  # (len(rows), V): the prompt's rows scored
+        if plan.prefill:
+            output.prefill_seconds = time.perf_counter() - started
+        return output
+
+    def _score_prompts(
+        self,
+        output: RunnerOutput,
+        requests: list[Request],
+        counts: list[int],
+        starts: list[int],
+        done: list[bool],
+        scored: list[bool],
+        logits: Tensor,
+    ) -> tuple[list[Request], Tensor]:
+        """A step with prompts scored (prompt_logprobs): logits (rows, V) of every row of each scored
+        chunk and the last of each other request that samples. Records the prompts' logprobs;
+        returns the requests that sample and their rows of logits (S, V), in order."""
+        suppress(logits, self.suppressed)
         at = 0
         sampling, sampled_rows = [], []
         for r, n, s, d, sc in zip(requests, counts, starts, done, scored, strict=True):
@@ -278,11 +295,7 @@ class GeneratorRunner:
                 sampling.append(r)
                 sampled_rows.append(at)
                 at += 1
-        next_logits = in_order(logits, sampled_rows)  # (S, V)
-        self._sample_blocks(plan, sampling, lambda a, b: next_logits[a:b], output)
-        if plan.prefill:
-            output.prefill_seconds = time.perf_counter() - started
-        return output
+        return sampling, in_order(logits, sampled_rows)  # (S, V)
 
     def _sample_blocks(
         self, plan: SchedulerOutput, sampling: list[Request], logits_of: Callable[[int, int], Tensor], output: RunnerOutput
