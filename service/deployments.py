@@ -72,6 +72,7 @@ def generation_params(request: GenerateRequest) -> GenerationParams:
         logprobs=request.logprobs,
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
+        speculate=request.speculate,
         prompt_logprobs=(request.logprobs or 0) if scores_prompt else None,
         structured=request.structured,
     )

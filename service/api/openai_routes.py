@@ -95,6 +95,7 @@ def sampling_fields(body: SamplingRequest) -> dict[str, Any]:
         ),
         "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos,
+        "speculate": body.speculative_decoding,
         "stop": tuple(body.stop or ()),
         "stream": body.stream,
         "structured": structured_output(body),

@@ -118,6 +118,7 @@ class SamplingRequest(StrictModel):
     repetition_penalty: FiniteFloat = Field(1.0, gt=0.0, le=2.0)  # vLLM's (transformers'), on the prompt's and generated tokens
     min_tokens: StrictInt = Field(0, ge=0)  # vLLM's: no eos, and no stop string ending, within this many tokens (at most max_tokens)
     ignore_eos: StrictBool = False  # vLLM's: an eos does not end the completion
+    speculative_decoding: StrictBool = True  # ours: false turns the server's speculative decoding off for this request
     logit_bias: LogitBias = None  # OpenAI's: token id (as a string) -> added to its logit, -100 to 100
     response_format: ResponseFormat | None = None  # OpenAI's: json_object, or json_schema
     structured_outputs: StructuredOutputs | None = None  # vLLM's: json, regex, choice, grammar or json_object

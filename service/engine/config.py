@@ -97,6 +97,17 @@ class EngineConfig:
     # unambiguous) are appended without a model step each and computed with the next sampled one
     # (llguidance's fast-forward). Paged KV (decoder-only models) only.
     grammar_fast_forward: bool = True
+    # Speculative decoding by prompt lookup (service/engine/speculation.py; decoder-only models):
+    # each decoding sequence proposes up to num_speculative_tokens tokens that followed an earlier
+    # occurrence of its last prompt_lookup_max ... prompt_lookup_min tokens, and one step verifies
+    # them; lossless (the outputs of one token a step, seed for seed). Only while a step decodes at
+    # most speculation_max_batch sequences: past that a step is no longer bound by reading the
+    # weights, and verifying proposals would cost more than it saves. 0 tokens: off. Not for
+    # structured outputs (their grammar's forced tokens are fast-forwarded instead) nor beams.
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculation_max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.n_slots < 1 or self.max_waiting < 1 or self.max_num_batched_tokens < 1:
@@ -113,6 +124,9 @@ class EngineConfig:
             raise ValueError(f"compiled_decode batch sizes must be between 1 and n_slots ({self.n_slots})")
         if self.grammar_max_bytes < 1 or self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_max_bytes and grammar_compile_timeout_s must be positive")
+        if self.num_speculative_tokens < 0 or not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max or self.speculation_max_batch < 0:
+            message = "num_speculative_tokens and speculation_max_batch must be at least 0, and 1 <= prompt_lookup_min <= prompt_lookup_max"
+            raise ValueError(message)
         if self.max_context is not None and self.max_context < 2:
             raise ValueError("max_context must be at least 2 (a prompt token and one generated)")
 

@@ -22,6 +22,7 @@ from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.runner import ModelRunner, RunnerOutput, runner_for
 from service.engine.scheduler import Scheduler, SchedulerOutput
+from service.engine.speculation import PromptLookup
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,11 @@ class StepReport:
     prefix_cache_hits: int = 0  # of which found cached
     kv_blocks_used: int = 0  # paged KV only: blocks held by running requests
     kv_blocks_total: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): sequences that verified drafts, their
+    # drafts, and how many were accepted at each position (the first draft, the second, ...).
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +94,7 @@ class Engine:
             config.request_timeout_s,
             self.blocks,
             decoder_only=pool is not None and not pool.encoder_decoder,
+            speculation_max_batch=config.speculation_max_batch,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pieces = PieceBytes(runner.tokenizer)  # every request's detokenizer reads its tokens' bytes here
@@ -189,6 +196,10 @@ class Engine:
         stop = () if request.params.structured is not None else request.params.stop
         detokenizer = IncrementalDetokenizer(self._pieces, stop, self.runner.strip_leading_space, request.params.min_tokens)
         self._detokenizers[request.request_id] = detokenizer
+        c, params = self.config, request.params
+        drafting = params.speculate and request.grammar is None and params.beam_size == 1
+        if c.num_speculative_tokens and self.scheduler.decoder_only and drafting:
+            request.lookup = PromptLookup(c.prompt_lookup_min, c.prompt_lookup_max, c.num_speculative_tokens)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -224,7 +235,7 @@ class Engine:
                     self.scheduler.finish(r, "error")
                     deltas.append(self._finish(r, "error", report, error=f"internal error: {type(error).__name__}"))
             else:
-                self.scheduler.advance(plan)
+                self.scheduler.advance(plan, output.rejected)
                 now = time.monotonic()
                 for r in plan.prefill + plan.decode:
                     delta = self._update(r, output, now, report)
@@ -281,41 +292,48 @@ class Engine:
         report.generated_tokens += tokens
 
     def _update(self, r: Request, output: RunnerOutput, now: float, report: StepReport) -> Delta | None:
-        """What r's part of the step means: a beam search that ended, a prompt scored alone, or a
-        streamed token checked by its grammar, then by the stop conditions (`_ending`)."""
+        """What r's part of the step means: a beam search that ended, a prompt scored alone, or
+        streamed tokens (one, or drafts accepted and the token after them), each checked by its
+        grammar, then by the stop conditions (`_ending`); then its next drafts (`_propose`)."""
         hypotheses = output.hypotheses.get(r.request_id)
         if hypotheses is not None:
             return self._beams_ended(r, hypotheses, now, report)
-        token = output.tokens.get(r.request_id)
-        if token is None:
+        tokens = output.tokens.get(r.request_id)
+        if tokens is None:
             return None  # a beam search still running: nothing to stream
         scored = output.prompt_logprobs.get(r.request_id)  # the prompt's logprobs, at its prefill
+        self._token_timing(r, now, 0, report)
         if r.max_tokens == 0:  # the prompt scored alone (GenerationParams.prompt_logprobs)
-            self._token_timing(r, now, 0, report)
             return self._end(r, "length", report, prompt_logprobs=scored)
-        self._token_timing(r, now, 1, report)
-        problem = self._grammar_problem(r, [token])
-        if problem is None and token in self.runner.eos_ids and not r.params.ignore_eos:
-            problem = self._finished_output_problem(r)
-            if problem is None:
-                return self._end(r, "stop", report, prompt_logprobs=scored)
-        if problem is not None:
-            return self._end(r, "constraint", report, error=problem)
-        r.output_ids.append(token)
-        forced = self._fast_forward(r)
-        report.generated_tokens += len(forced)
-        token_ids = [token, *forced]
-        logprob = output.logprobs.get(r.request_id)
-        logprobs = [logprob] if logprob is not None else None
+        self._accepted(r, output, len(tokens) - 1, report)
+        logprobs = output.logprobs.get(r.request_id)
         detokenizer = self._detokenizers[r.request_id]
-        text = "".join(detokenizer.add(t) for t in token_ids)
-        ending = self._ending(r, detokenizer.stopped)
-        if r.grammar is not None and (ending == "stop" or r.grammar.is_error()):
-            problem = self._grammar_problem(r, []) or self._finished_output_problem(r)
+        token_ids: list[int] = []
+        text = ""
+        for i, token in enumerate(tokens):
+            report.generated_tokens += 1
+            so_far = {"text": text, "token_ids": token_ids, "logprobs": logprobs[:i] if logprobs is not None else None}
+            problem = self._grammar_problem(r, [token])
+            if problem is None and token in self.runner.eos_ids and not r.params.ignore_eos:
+                problem = self._finished_output_problem(r)
+                if problem is None:
+                    return self._end(r, "stop", report, prompt_logprobs=scored, **so_far)
             if problem is not None:
                 return self._end(r, "constraint", report, error=problem)
-        if ending is not None:
-            return self._end(r, ending, report, text=text, token_ids=token_ids, logprobs=logprobs, prompt_logprobs=scored)
+            r.output_ids.append(token)
+            forced = self._fast_forward(r)
+            report.generated_tokens += len(forced)
+            token_ids += [token, *forced]
+            text += "".join(detokenizer.add(t) for t in (token, *forced))
+            ending = self._ending(r, detokenizer.stopped)
+            if r.grammar is not None and (ending == "stop" or r.grammar.is_error()):
+                problem = self._grammar_problem(r, []) or self._finished_output_problem(r)
+                if problem is not None:
+                    return self._end(r, "constraint", report, error=problem)
+            if ending is not None:
+                kept = logprobs[: i + 1] if logprobs is not None else None
+                return self._end(r, ending, report, text=text, token_ids=token_ids, logprobs=kept, prompt_logprobs=scored)
+        self._propose(r)
         return Delta(
             r.request_id,
             text,
@@ -326,6 +344,26 @@ class Engine:
             logprobs=logprobs,
             prompt_logprobs=scored,
         )
+
+    @staticmethod
+    def _accepted(r: Request, output: RunnerOutput, taken: int, report: StepReport) -> None:
+        """Counts a verification's drafts (r's, if this step verified some) and adapts r's budget."""
+        rejected = output.rejected.get(r.request_id)
+        if rejected is None or r.lookup is None:
+            return
+        r.lookup.accepted(taken + rejected, taken)
+        report.drafts += 1
+        report.draft_tokens += taken + rejected
+        report.accepted_per_position += [0] * (taken - len(report.accepted_per_position))
+        for position in range(taken):
+            report.accepted_per_position[position] += 1
+
+    def _propose(self, r: Request) -> None:
+        """r's drafts for its next step (speculative decoding), within its token limit."""
+        if r.lookup is None:
+            return
+        room = r.max_tokens - len(r.output_ids) - 1  # the step's own token comes after them
+        r.draft_ids = r.lookup.propose(r.token_ids)[:room] if room > 0 else []
 
     def _beams_ended(self, r: Request, hypotheses: list[Hypothesis], now: float, report: StepReport) -> Delta:
         """A beam search's end: its best hypothesis is the output, the others' texts its alternatives."""

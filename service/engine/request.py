@@ -10,6 +10,7 @@ import torch
 from decoding.beam_search import BeamState
 from decoding.sampling_params import SamplingParams
 from service.engine.config import FinishReason, StructuredOutput, TokenLogprob
+from service.engine.speculation import PromptLookup
 
 
 class RequestStatus(Enum):
@@ -38,6 +39,7 @@ class GenerationParams:
     min_tokens: int = 0  # no eos id is sampled (transformers' min_new_tokens) and no stop string ends within this many tokens
     ignore_eos: bool = False  # an eos id does not end the sequence (vLLM's, for fixed-length benchmarks)
     structured: StructuredOutput | None = None  # the output follows this grammar (service/engine/grammar.py)
+    speculate: bool = True  # False: never speculative decoding for this request (EngineConfig.num_speculative_tokens)
 
 
 @dataclass
@@ -59,6 +61,8 @@ class Request:
     rng: torch.Generator | None = None  # per-request sampling randomness
     beams: BeamState | None = None  # a beam search's live beams and ended hypotheses (the translator's runner)
     grammar: llguidance.LLMatcher | None = None  # params.structured's matcher, advanced by every token generated
+    lookup: PromptLookup | None = None  # speculative decoding's proposer (the engine's, when it speculates for the request)
+    draft_ids: list[int] = field(default_factory=list)  # proposed to follow output_ids, verified by the next decode step
     scheduled_time: float | None = None  # when it left the waiting queue
     first_token_time: float | None = None
     last_token_time: float = 0.0

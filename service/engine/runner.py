@@ -27,12 +27,14 @@ from service.engine.scheduler import SchedulerOutput
 @dataclass
 class RunnerOutput:
     """What one execute() produced, by request id. A request of the plan is in exactly one of
-    tokens (a streamed, greedy or sampled, sequence's next token) and hypotheses (a beam search
-    that ended this step, best first), or in neither (a beam search still running)."""
+    tokens (a streamed, greedy or sampled, sequence's next tokens: one, or with speculative
+    decoding its drafts accepted and the token after them) and hypotheses (a beam search that
+    ended this step, best first), or in neither (a beam search still running)."""
 
-    tokens: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
     hypotheses: dict[str, list[Hypothesis]] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # the token's, for requests that ask (GenerationParams)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # the tokens', for requests that ask (GenerationParams)
+    rejected: dict[str, int] = field(default_factory=dict)  # drafts refused (SchedulerOutput.drafts): their keys are discarded
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # at the prefill, for those that ask
     parents: dict[str, list[int]] = field(default_factory=dict)  # a beam search still running: beam b continues beam parents[b]
     prefill_seconds: float = 0.0  # the prompt / encoder pass of the plan's new requests
@@ -72,17 +74,16 @@ class ModelRunner(Protocol):
         each sequence's block table), or None: no paged KV, slots alone."""
 
 
-def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) -> list[int]:
-    """Each request's next token from its row of logits (B, V), suppressed ids already at -inf:
-    after its penalties and logit bias, and with eos_ids at -inf before its min_tokens (on a copy:
-    the logits stay as they are, for logprobs)."""
-    for r in requests:
-        if r.rng is None and not r.params.sampling.greedy:
-            seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
-            r.rng = torch.Generator().manual_seed(seed)
-
+def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int], drafted: list[list[int]] | None = None) -> list[int]:
+    """Each row's next token from its row of logits (B, V), suppressed ids already at -inf: row i
+    continues requests[i]'s output with drafted[i] (tokens proposed before it; default none),
+    after that output's penalties and its logit bias, and with eos_ids at -inf before its
+    min_tokens (on a copy: the logits stay as they are, for logprobs). A sampled row draws one
+    uniform from its request's generator, in row order."""
+    _seed(requests)
+    outputs = [r.output_ids + d for r, d in zip(requests, drafted, strict=True)] if drafted else [r.output_ids for r in requests]
     adjusted = [i for i, r in enumerate(requests) if r.params.sampling.adjusts_logits]
-    held = [i for i, r in enumerate(requests) if len(r.output_ids) < r.params.min_tokens]  # no eos yet
+    held = [i for i, (r, o) in enumerate(zip(requests, outputs, strict=True)) if len(o) < r.params.min_tokens]  # no eos yet
     if adjusted or held:
         logits = logits.float().clone()  # the caller's stay as they are
     if adjusted:
@@ -92,13 +93,46 @@ def _sample(logits: Tensor, requests: list[Request], eos_ids: frozenset[int]) ->
             logits.index_select(0, index),
             [r.params.sampling for r in chosen],
             [r.prompt_ids for r in chosen],
-            [r.output_ids for r in chosen],
+            [outputs[i] for i in adjusted],
         )
         logits = logits.index_copy(0, index, rows)
     if held:
         eos = torch.tensor(sorted(eos_ids), device=logits.device)
         logits[torch.tensor(held, device=logits.device)[:, None], eos[None]] = float("-inf")
     return sample_next(logits, [r.params.sampling for r in requests], [r.rng for r in requests]).tolist()
+
+
+def _seed(requests: list[Request]) -> None:
+    """A generator for each sampled request that has none: from its seed, or a random one."""
+    for r in requests:
+        if r.rng is None and not r.params.sampling.greedy:
+            seed = r.params.sampling.seed if r.params.sampling.seed is not None else secrets.randbits(63)
+            r.rng = torch.Generator().manual_seed(seed)
+
+
+def _verify(logits: Tensor, requests: list[Request], drafts: list[list[int]], eos_ids: frozenset[int]) -> list[list[int]]:
+    """Speculative decoding's verification: each request's tokens from its 1 + len(drafts[i])
+    consecutive rows of logits (R, V), row j continuing its output with its first j drafts. Each
+    row is sampled as a plain step would sample it (`_sample`, a uniform each from the request's
+    generator); the drafts are kept while each equals what its row drew, and the first row that
+    draws otherwise gives the last token. A request's generator is then left as if it had drawn
+    once per token kept: the tokens are those of decoding one at a time, seed for seed (and so
+    distributed as the model's: the rejection sampling of a draft that is a single token)."""
+    _seed(requests)
+    states = [r.rng.get_state() if r.rng is not None else None for r in requests]
+    rows = [(r, d[:j]) for r, d in zip(requests, drafts, strict=True) for j in range(len(d) + 1)]
+    drawn = _sample(logits, [r for r, _ in rows], eos_ids, [d for _, d in rows])
+    tokens, at = [], 0
+    for r, d, state in zip(requests, drafts, states, strict=True):
+        taken = 0
+        while taken < len(d) and drawn[at + taken] == d[taken] and d[taken] not in eos_ids:
+            taken += 1
+        tokens.append(drawn[at : at + taken + 1])
+        if taken < len(d) and r.rng is not None and state is not None:  # drew len(d) + 1: as if taken + 1
+            r.rng.set_state(state)
+            torch.rand(taken + 1, generator=r.rng)
+        at += len(d) + 1
+    return tokens
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -112,11 +146,14 @@ def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLog
     ]
 
 
-def record_logprobs(output: RunnerOutput, logits: Tensor, tokens: list[int], requests: list[Request]) -> None:
-    """The sampled tokens' logprobs (logits (B, V), as sampled from) of the requests that ask."""
-    for row, (r, token) in enumerate(zip(requests, tokens, strict=True)):
+def record_logprobs(output: RunnerOutput, logits: Tensor, tokens: list[list[int]], requests: list[Request], widths: list[int]) -> None:
+    """The sampled tokens' logprobs (logits (R, V), as sampled from: widths[i] rows for
+    requests[i], its tokens[i] from its first rows) of the requests that ask."""
+    at = 0
+    for r, chosen, width in zip(requests, tokens, widths, strict=True):
         if r.params.logprobs is not None:
-            (output.logprobs[r.request_id],) = token_logprobs(logits[row : row + 1], [token], r.params.logprobs)
+            output.logprobs[r.request_id] = token_logprobs(logits[at : at + len(chosen)], chosen, r.params.logprobs)
+        at += width
 
 
 @dataclass(frozen=True)
@@ -233,14 +270,17 @@ class GeneratorRunner:
         started = time.perf_counter()
         counts = [plan.num_tokens[r.request_id] for r in requests]
         starts = [r.num_computed_tokens for r in requests]
-        tokens = [r.tokens_at(s, n) for r, s, n in zip(requests, starts, counts, strict=True)]  # each one's tokens this step
-        done = [s + n == r.num_tokens for r, s, n in zip(requests, starts, counts, strict=True)]  # all its tokens computed: it samples
-        # Rows whose logits are needed: the last of each request that samples, every row of a prompt chunk that is scored.
+        drafts = [plan.drafts.get(r.request_id, []) for r in requests]
+        # Each one's tokens this step (its drafts after its own), and whether they are then all computed: it samples.
+        tokens = [r.tokens_at(s, n - len(d)) + d for r, s, n, d in zip(requests, starts, counts, drafts, strict=True)]
+        done = [s + n - len(d) == r.num_tokens for r, s, n, d in zip(requests, starts, counts, drafts, strict=True)]
+        # Rows whose logits are needed: every row of a prompt chunk that is scored, else the last of each
+        # request that samples and a row before each of its drafts.
         scored = [r.params.prompt_logprobs is not None and not r.output_ids for r in requests]
         rows: list[int] = []
         first = 0
-        for n, d, sc in zip(counts, done, scored, strict=True):
-            rows += list(range(first, first + n)) if sc else [first + n - 1] if d else []
+        for n, d, sc, dr in zip(counts, done, scored, drafts, strict=True):
+            rows += list(range(first, first + n)) if sc else list(range(first + n - 1 - len(dr), first + n)) if d else []
             first += n
         if all(n == 1 for n in counts) and len(rows) == len(requests):  # decodes only
             fed = {r.slots[0]: (t[0], s, plan.block_tables[r.request_id]) for r, t, s in zip(requests, tokens, starts, strict=True)}
@@ -253,9 +293,10 @@ class GeneratorRunner:
             logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
             step_rows = StepRows(self.model.hidden_ragged(ids, positions, self.cache.layers(step), logit_rows), self.model.logits)
         if any(scored):
-            sampling, next_logits = self._score_prompts(output, requests, counts, starts, done, scored, step_rows.logits(0, len(rows)))
+            scored_rows = step_rows.logits(0, len(rows))
+            sampling, next_logits = self._score_prompts(output, requests, counts, starts, done, scored, plan.drafts, scored_rows)
             self._sample_blocks(plan, sampling, lambda a, b: next_logits[a:b], output)
-        else:  # a row per sampling request, in order: logits a block of rows at a time
+        else:  # the rows of each sampling request, in order: logits a block of rows at a time
             sampling = [r for r, d in zip(requests, done, strict=True) if d]
             self._sample_blocks(plan, sampling, lambda a, b: suppress(step_rows.logits(a, b), self.suppressed), output)
         if plan.prefill:
@@ -270,11 +311,13 @@ class GeneratorRunner:
         starts: list[int],
         done: list[bool],
         scored: list[bool],
+        drafts: dict[str, list[int]],
         logits: Tensor,
     ) -> tuple[list[Request], Tensor]:
         """A step with prompts scored (prompt_logprobs): logits (rows, V) of every row of each scored
-        chunk and the last of each other request that samples. Records the prompts' logprobs;
-        returns the requests that sample and their rows of logits (S, V), in order."""
+        chunk and those of each other request that samples (its last, and one before each of its
+        drafts). Records the prompts' logprobs; returns the requests that sample and their rows of
+        logits (S, V), in order."""
         suppress(logits, self.suppressed)
         at = 0
         sampling, sampled_rows = [], []
@@ -292,25 +335,40 @@ class GeneratorRunner:
                     sampling.append(r)
                     sampled_rows.append(at - 1)
             elif d:
+                width = 1 + len(drafts.get(r.request_id, ()))
                 sampling.append(r)
-                sampled_rows.append(at)
-                at += 1
+                sampled_rows += range(at, at + width)
+                at += width
         return sampling, in_order(logits, sampled_rows)  # (S, V)
 
     def _sample_blocks(
         self, plan: SchedulerOutput, sampling: list[Request], logits_of: Callable[[int, int], Tensor], output: RunnerOutput
     ) -> None:
-        """Samples each of `sampling` from its row of logits_of(a, b) (rows [a, b), suppressed ids at
-        -inf), block_rows rows at a time: a block's logits are projected, masked by the grammars,
-        sampled and scored while they are in the CPU's cache (a 256-row step's whole logits are not)."""
-        for a in range(0, len(sampling), self.block_rows):
-            requests = sampling[a : a + self.block_rows]
-            logits = logits_of(a, a + len(requests))  # (b - a, V)
-            if plan.grammar is not None:
-                plan.grammar.apply(logits, [r.request_id for r in requests])
-            chosen = _sample(logits, requests, self.eos_ids)
+        """Samples each of `sampling` from its rows of logits_of(a, b) (rows [a, b), suppressed ids at
+        -inf: one, or with drafts one before each and the last, `_verify`), about block_rows rows at
+        a time: a block's logits are projected, masked by the grammars, sampled and scored while
+        they are in the CPU's cache (a 256-row step's whole logits are not)."""
+        widths = [1 + len(plan.drafts.get(r.request_id, ())) for r in sampling]
+        first = row = 0
+        while first < len(sampling):
+            last, rows = first + 1, widths[first]
+            while last < len(sampling) and rows + widths[last] <= self.block_rows:
+                rows += widths[last]
+                last += 1
+            requests, block_widths = sampling[first:last], widths[first:last]
+            logits = logits_of(row, row + rows)  # (rows, V)
+            if plan.grammar is not None:  # a structured output never drafts: its one row
+                plan.grammar.apply(logits, [r.request_id for r, width in zip(requests, block_widths, strict=True) for _ in range(width)])
+            if rows == len(requests):
+                chosen = [[t] for t in _sample(logits, requests, self.eos_ids)]
+            else:
+                chosen = _verify(logits, requests, [plan.drafts.get(r.request_id, []) for r in requests], self.eos_ids)
+                for r, width, taken in zip(requests, block_widths, chosen, strict=True):
+                    if width > 1:
+                        output.rejected[r.request_id] = width - len(taken)
             output.tokens.update({r.request_id: t for r, t in zip(requests, chosen, strict=True)})
-            record_logprobs(output, logits, chosen, requests)
+            record_logprobs(output, logits, chosen, requests, block_widths)
+            first, row = last, row + rows
 
     def decode_rows(self, fed: PagedFed) -> StepRows:
         """The rows of a step of one token per sequence, a row per sequence of fed (slot -> (token,
@@ -548,7 +606,7 @@ class TranslatorRunner:
             if plan.grammar is not None:
                 plan.grammar.apply(streamed_logits, [r.request_id for r in streamed])
             sampled = _sample(streamed_logits, streamed, self.eos_ids)
-            output.tokens.update({r.request_id: t for r, t in zip(streamed, sampled, strict=True)})
+            output.tokens.update({r.request_id: [t] for r, t in zip(streamed, sampled, strict=True)})
 
     def step_logits(self, fed: PagedFed, slots_of_requests: list[list[int]], source_length: int) -> tuple[Tensor, list[int]]:
         """Next-token logits (N, V) of one decoder step, and the row of each sequence of fed (slot ->

@@ -60,6 +60,9 @@ class SchedulerOutput:
     # each row's next decoder token), and each sequence's blocks (a copy; by sequence id: a
     # decoder-only request's id, an encoder-decoder row's str(slot)).
     num_tokens: dict[str, int] = field(default_factory=dict)
+    # Decoder-only: a decode's proposed tokens (speculative decoding), computed after its last
+    # token and counted in its num_tokens; the keys of those the sampler refuses are discarded.
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     # (source block, destination block, tokens): the first tokens of source copied to destination
     # (beam forks of the step before), by the runner before the step writes any key.
@@ -112,10 +115,13 @@ class Scheduler:
         request_timeout_s: float | None = None,
         blocks: KVBlockManager | None = None,
         decoder_only: bool = False,
+        speculation_max_batch: int = 0,
     ) -> None:
         """queue_timeout_s: the longest a request may wait for admission; request_timeout_s: the
         longest from arrival to its last token. Past either, it ends with reason "timeout".
         blocks: the KV pool's (None: slots alone); decoder_only: they hold prompts (needs blocks).
+        speculation_max_batch: decodes verify their requests' draft_ids in a step of at most this
+        many decodes (decoder-only; budget allowing), else decode their one token.
         The waiting queue holds at most max_waiting requests, and tokens (each request's prompt
         and max_tokens) up to waiting_token_budget, which the engine sets from its KV pool and
         measured speed (Engine.waiting_token_budget); a first waiting request is always taken."""
@@ -126,6 +132,7 @@ class Scheduler:
         self.waiting_token_budget: int | None = None  # None: no bound by tokens
         self.waiting_tokens = 0  # of the requests in `waiting`; read by other threads (an int: no lock)
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.speculation_max_batch = speculation_max_batch
         self.policy = policy
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s
         self.waiting: deque[Request] = deque()
@@ -189,15 +196,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # Running requests: decodes first (one token each), then prompts in progress.
         order = list(self.running.values())
+        decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in order)
+        speculating = decodes <= self.speculation_max_batch
         for prompts in (False, True):
             for r in order:
                 remaining = r.num_tokens - r.num_computed_tokens
                 if (remaining > 1) != prompts or r.request_id in out.num_tokens or r.finished or r.request_id not in self.running:
                     continue
-                n = min(remaining, budget)
+                drafts = r.draft_ids if speculating and not prompts else []
+                n = min(remaining + len(drafts), budget)
                 if n == 0 or not self._make_room(r, n, out):
                     continue
                 out.num_tokens[r.request_id] = n
+                if n > remaining:
+                    out.drafts[r.request_id] = drafts[: n - remaining]
                 (out.prefill if prompts else out.decode).append(r)
                 budget -= n
             budget = self.max_num_batched_tokens - sum(out.num_tokens.values())  # preemptions may have given some back
@@ -238,8 +250,10 @@ class Scheduler:
     def _preempt(self, r: Request, out: SchedulerOutput) -> None:
         del self.running[r.request_id]
         self._release(r)
+        r.draft_ids = []
         if r.request_id in out.num_tokens:  # scheduled earlier in this step: unscheduled
             del out.num_tokens[r.request_id]
+            out.drafts.pop(r.request_id, None)
             out.decode = [d for d in out.decode if d is not r]
             out.prefill = [p for p in out.prefill if p is not r]
         r.status, r.num_computed_tokens, r.prompt_logprobs_so_far = RequestStatus.WAITING, 0, []
@@ -250,7 +264,7 @@ class Scheduler:
     def _register(self, r: Request, out: SchedulerOutput) -> None:
         """Caches the blocks r's scheduled tokens fill and records its block table in the plan."""
         assert self.blocks is not None
-        computed = r.num_computed_tokens + out.num_tokens[r.request_id]
+        computed = min(r.num_computed_tokens + out.num_tokens[r.request_id], r.num_tokens)  # drafts' blocks are not known yet
         if self.blocks.fills_new_blocks(r.request_id, computed):
             self.blocks.cache_blocks(r.request_id, r.token_ids, computed)
         out.block_tables[r.request_id] = list(self.blocks.table(r.request_id))
@@ -295,11 +309,12 @@ class Scheduler:
         if copies:
             self._copies[r.request_id] = [(source, copy, tokens % self.blocks.block_size) for source, copy in copies]
 
-    def advance(self, plan: SchedulerOutput) -> None:
-        """After a step: the scheduled tokens of the requests still running are computed."""
+    def advance(self, plan: SchedulerOutput, rejected: dict[str, int]) -> None:
+        """After a step: the scheduled tokens of the requests still running are computed, but for
+        the `rejected` drafts of each (by request id), whose keys the next step overwrites."""
         for r in plan.prefill + plan.decode:
             if not r.finished:
-                r.num_computed_tokens += plan.num_tokens[r.request_id]
+                r.num_computed_tokens += plan.num_tokens[r.request_id] - rejected.get(r.request_id, 0)
 
     def _admit(self, request: Request) -> bool:
         """Moves the first waiting request to running with its slots; False when too few are free."""

@@ -88,7 +88,7 @@ class FakeRunner:
         for r in plan.prefill + plan.decode:
             n = len(r.output_ids)
             length = r.prompt_ids[1] if len(r.prompt_ids) > 1 else 10**9
-            output.tokens[r.request_id] = EOS_ID if n >= length else r.prompt_ids[0] + n + 1
+            output.tokens[r.request_id] = [EOS_ID if n >= length else r.prompt_ids[0] + n + 1]
         return output
 
 
