@@ -201,6 +201,11 @@ class RaggedStep:
     chunks: list[PromptChunk]
 
 
+# The longest run of queries after cached keys that attends as decode rows, a row per query (the
+# CPU kernel reads the keys where they lie) rather than as a prompt chunk (its cached keys gathered).
+SHORT_RUN = 16
+
+
 def ragged_step(
     query_lens: list[int],
     starts: list[int],
@@ -220,16 +225,19 @@ def ragged_step(
     owner = torch.repeat_interleave(torch.arange(len(query_lens)), lens)  # (N,) each token's sequence
     positions = torch.arange(len(owner)) - torch.tensor(firsts)[owner] + torch.tensor(starts)[owner]  # (N,)
     slot_mapping = cache_slots(tables[owner], positions, block_size).to(device)  # (N,)
-    one = [i for i, n in enumerate(query_lens) if n == 1]
+    # One-token queries, and each token of a short run after cached ones (speculative decoding's
+    # verification, a small prompt chunk) as one of its own over the keys up to it: decode rows.
+    decoding = [i for i, (n, s) in enumerate(zip(query_lens, starts, strict=True)) if n == 1 or (s and n <= SHORT_RUN)]
     decodes = None
-    if one:
-        lengths = torch.tensor([starts[i] + 1 for i in one])  # (Bd,) keys per row
-        nb = -(-(max(starts[i] for i in one) + 1) // block_size)
-        rows = torch.tensor([firsts[i] for i in one], device=device)
-        decodes = decode_group(rows, tables[one, :nb].to(device), lengths.to(device), block_size, alibi_slopes)
+    if decoding:
+        sequence = torch.tensor([i for i in decoding for _ in range(query_lens[i])])  # (Bd,) each row's sequence
+        lengths = torch.tensor([starts[i] + j + 1 for i in decoding for j in range(query_lens[i])])  # (Bd,) keys per row
+        nb = -(-int(lengths.max()) // block_size)
+        rows = torch.tensor([firsts[i] + j for i in decoding for j in range(query_lens[i])], device=device)
+        decodes = decode_group(rows, tables[sequence, :nb].to(device), lengths.to(device), block_size, alibi_slopes)
     chunks = []
     for i, (n, s) in enumerate(zip(query_lens, starts, strict=True)):
-        if n == 1:
+        if n == 1 or (s and n <= SHORT_RUN):
             continue
         nb = -(-(s + n) // block_size)
         query_positions = torch.arange(s, s + n)[None]  # (1, T)

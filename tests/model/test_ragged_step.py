@@ -8,7 +8,7 @@ BLOCK = 4
 
 
 def test_slots_rows_and_blocks_of_a_mixed_step() -> None:
-    """Two decodes, a chunk after a cached prefix, a chunk from position 0, and an idle row (an
+    """Two decodes, a short run after a cached prefix, a chunk from position 0, and an idle row (an
     empty table at position 0, as a translator's step runs): each new token's slot is
     table[position // block] * block + position % block over its table padded with the null block."""
     lens, starts = [1, 3, 1, 2, 1], [5, 6, 0, 0, 0]
@@ -20,10 +20,12 @@ def test_slots_rows_and_blocks_of_a_mixed_step() -> None:
     assert step.slot_mapping.tolist() == [3 * 4 + 1, 9 * 4 + 2, 9 * 4 + 3, 4 * 4 + 0, 5 * 4 + 0, 8 * 4 + 0, 8 * 4 + 1, 0]
     decodes = step.decodes
     assert decodes is not None
-    assert decodes.rows.tolist() == [0, 4, 7]  # each one-token sequence's row in the flat batch
-    assert decodes.lengths.tolist() == [6, 1, 1]
-    assert decodes.key_blocks.tolist() == [[7, 3], [5, 0], [0, 0]]  # blocks of the longest (6 keys: 2)
-    assert [(c.first, c.length, c.start) for c in step.chunks] == [(1, 3, 6), (5, 2, 0)]
+    # Each one-token sequence's row in the flat batch, and each token of the short run after a cached
+    # prefix (speculative decoding's verification) as a decode row over the keys up to it.
+    assert decodes.rows.tolist() == [0, 1, 2, 3, 4, 7]
+    assert decodes.lengths.tolist() == [6, 7, 8, 9, 1, 1]
+    assert decodes.key_blocks.tolist() == [[7, 3, 0], [2, 9, 4], [2, 9, 4], [2, 9, 4], [5, 0, 0], [0, 0, 0]]  # the longest's 3 blocks
+    assert [(c.first, c.length, c.start) for c in step.chunks] == [(5, 2, 0)]  # a chunk from position 0 stays a chunk
 
 
 def test_a_decode_only_step_keeps_every_row_in_order() -> None:
