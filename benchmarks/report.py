@@ -593,6 +593,33 @@ def vs_vllm_tiny() -> str:
     return table(header, rows) + measured_by(data, "python -m benchmarks.vs_vllm --tiny --json")
 
 
+def vs_vllm_speculation() -> str:
+    """docs/performance.md: speculative decoding, ours against ours with it off (ours_nospec), and
+    against vLLM's CPU build where it ran, with the acceptance ours' counters give."""
+    data = result("vs_vllm_speculation")
+    systems = ("vllm", "ours", "ours_nospec")
+    rows = []
+    for scenario in data["scenarios"].values():
+        figures, ratios = scenario["figures"], scenario["ratios"]
+        ours = figures.get("ours", {})
+        rows.append(
+            [
+                scenario["label"],
+                " / ".join(figure(figures.get(system, {}).get("output_tok_s"), 1) for system in systems),
+                f"**{figure(ratios.get('speculation_output_tok_s'), 2)}**",
+                f"**{figure(ratios.get('output_tok_s'), 2)}**",
+                " / ".join(figure(figures.get(system, {}).get("ttft_p50_ms")) for system in systems),
+                f"{figure(ours.get('acceptance_rate'), 2)} / {figure(ours.get('mean_accepted_length'), 2)}",
+                " / ".join(figure(figures.get(system, {}).get("failed")) for system in systems)
+                + f" of {max(f['requests'] for f in figures.values())}",
+            ]
+        )
+    header = ["work", "output tok/s, vLLM / ours / ours without speculation", "ours / ours without", "ours / vLLM"]
+    header += ["TTFT p50 ms, the same", "acceptance rate / mean accepted length", "failed"]
+    command = "python -m benchmarks.vs_vllm --systems ours,ours_nospec --scenarios random_c1,random_c8,random_c16 --json FILE"
+    return table(header, rows) + measured_by(data, command)
+
+
 def measured_by(data: dict[str, Any], command: str) -> str:
     """The line under a vs_vllm table: the command, and the run's commit, systems, model and machine."""
     ours = f"ours: `{data['ours']}`, " if "ours" in data else ""
@@ -610,6 +637,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "peers-history": peers_history,
     "vs-vllm": vs_vllm,
     "vs-vllm-tiny": vs_vllm_tiny,
+    "vs-vllm-speculation": vs_vllm_speculation,
     "serving": serving,
     "front-door": front_door,
     "overload": overload,

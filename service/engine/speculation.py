@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 class PromptLookup:
     """One sequence's n-gram index and proposal budget. Contract: `propose(tokens)` is called with
     the sequence's whole context (prompt then output), which only grows between calls; it returns
-    at most `budget` tokens that followed the latest earlier occurrence of the context's longest
-    matching suffix of n tokens (min_n <= n <= max_n), or [] when none occurred."""
+    `budget` tokens that followed the latest earlier occurrence of the context's longest matching
+    suffix of n tokens (min_n <= n <= max_n), taking the text from there to the end as repeating
+    when fewer follow it, or [] when none occurred."""
 
     min_n: int
     max_n: int
@@ -43,8 +44,8 @@ class PromptLookup:
             return []
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             found = self._ends.get(tuple(tokens[length - n :]))
-            if found is not None:
-                return tokens[found : found + self.budget]
+            if found is not None:  # what followed it; near the end, the text from there on repeating itself
+                return [tokens[found + i % (length - found)] for i in range(self.budget)]
         return []
 
     def accepted(self, proposed: int, taken: int) -> None:

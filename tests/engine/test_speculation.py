@@ -39,7 +39,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence() ->
 def test_prompt_lookup_never_matches_its_own_suffix_and_follows_acceptance() -> None:
     lookup = PromptLookup(min_n=2, max_n=2, max_tokens=4)
     assert lookup.propose([4, 5]) == []  # the suffix itself is no earlier occurrence
-    assert lookup.propose([4, 5, 6, 4, 5]) == [6, 4, 5]  # what followed, up to the context's end
+    assert lookup.propose([4, 5, 6, 4, 5]) == [6, 4, 5, 6]  # what followed, then it again: the text repeating
     lookup.accepted(proposed=3, taken=0)
     assert lookup.budget == 1 and lookup.propose([4, 5, 6, 4, 5, 6, 4, 5]) == [6]
     lookup.accepted(proposed=1, taken=1)
