@@ -104,10 +104,13 @@ class EngineConfig:
     # most speculation_max_batch sequences: past that a step is no longer bound by reading the
     # weights, and verifying proposals would cost more than it saves. 0 tokens: off. Not for
     # structured outputs (their grammar's forced tokens are fast-forwarded instead) nor beams.
+    # Where a sequence's own context has no match, the last recent_outputs_tokens tokens of the
+    # engine's finished outputs are looked up too (speculation.RecentOutputs; 0: not).
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculation_max_batch: int = 8
+    recent_outputs_tokens: int = 1 << 16
 
     def __post_init__(self) -> None:
         if self.n_slots < 1 or self.max_waiting < 1 or self.max_num_batched_tokens < 1:
@@ -124,8 +127,11 @@ class EngineConfig:
             raise ValueError(f"compiled_decode batch sizes must be between 1 and n_slots ({self.n_slots})")
         if self.grammar_max_bytes < 1 or self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_max_bytes and grammar_compile_timeout_s must be positive")
-        if self.num_speculative_tokens < 0 or not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max or self.speculation_max_batch < 0:
-            message = "num_speculative_tokens and speculation_max_batch must be at least 0, and 1 <= prompt_lookup_min <= prompt_lookup_max"
+        if min(self.num_speculative_tokens, self.speculation_max_batch, self.recent_outputs_tokens) < 0 or not (
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max
+        ):
+            message = "num_speculative_tokens, speculation_max_batch and recent_outputs_tokens must be at least 0"
+            message += ", and 1 <= prompt_lookup_min <= prompt_lookup_max"
             raise ValueError(message)
         if self.max_context is not None and self.max_context < 2:
             raise ValueError("max_context must be at least 2 (a prompt token and one generated)")

@@ -22,7 +22,7 @@ from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.runner import ModelRunner, RunnerOutput, runner_for
 from service.engine.scheduler import Scheduler, SchedulerOutput
-from service.engine.speculation import PromptLookup
+from service.engine.speculation import PromptLookup, RecentOutputs
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,9 @@ class Engine:
         self._pieces = PieceBytes(runner.tokenizer)  # every request's detokenizer reads its tokens' bytes here
         self.grammars = GrammarCompiler(runner.tokenizer, runner.eos_ids, config.grammar_max_bytes, config.grammar_compile_timeout_s)
         self.counters = EngineCounters()
+        c = config
+        shared = c.num_speculative_tokens > 0 and c.recent_outputs_tokens > 0  # speculation from other requests' outputs
+        self.recent = RecentOutputs(c.prompt_lookup_min, c.prompt_lookup_max, c.recent_outputs_tokens) if shared else None
         self.on_step: Callable[[StepReport], None] | None = None  # e.g. metrics; called from the stepping thread
         # What the KV cache holds at once, in tokens: the waiting queue always takes that much.
         self.pool_tokens = (pool.num_blocks - 1) * pool.block_size if pool is not None else config.n_slots * runner.max_len
@@ -363,7 +366,7 @@ class Engine:
         if r.lookup is None:
             return
         room = r.max_tokens - len(r.output_ids) - 1  # the step's own token comes after them
-        r.draft_ids = r.lookup.propose(r.token_ids)[:room] if room > 0 else []
+        r.draft_ids = r.lookup.propose(r.token_ids, self.recent)[:room] if room > 0 else []
 
     def _beams_ended(self, r: Request, hypotheses: list[Hypothesis], now: float, report: StepReport) -> Delta:
         """A beam search's end: its best hypothesis is the output, the others' texts its alternatives."""
@@ -374,8 +377,11 @@ class Engine:
         return self._end(r, "length" if len(best) >= r.max_tokens else "stop", report, text=texts[0], alternatives=texts[1:])
 
     def _end(self, r: Request, reason: FinishReason, report: StepReport, **last: Any) -> Delta:
-        """Finishes r in the scheduler (its blocks and slots free now) and returns its last delta (`_finish`)."""
+        """Finishes r in the scheduler (its blocks and slots free now), keeps a finished output for
+        others' speculation (RecentOutputs), and returns its last delta (`_finish`)."""
         self.scheduler.finish(r, reason)
+        if self.recent is not None and r.lookup is not None and reason in ("stop", "length"):
+            self.recent.add(r.prompt_ids[-self.config.prompt_lookup_max :] + r.output_ids)
         return self._finish(r, reason, report, **last)
 
     def _ending(self, r: Request, stop_string: bool) -> FinishReason | None:

@@ -7,11 +7,55 @@ last token and the proposals together (k + 1 query tokens over its blocks) and k
 run of proposals that the sampler, row by row, draws itself (GeneratorRunner: `_verify`), plus
 the token drawn after them: the outputs are those of decoding one token at a time, seed for seed.
 
+Where a sequence's own context has no match, the outputs of the engine's recent requests may
+have one (`RecentOutputs`, suffix decoding's idea): answers to similar requests repeat each other
+(templates, boilerplate, the same facts). Outputs stay as they are; only how fast a request is
+answered can depend on what others were answered, as with prefix caching.
+
 Each request proposes at most its own budget of tokens, which follows its acceptance: all taken,
 one more next time (up to num_speculative_tokens); some refused, the number taken plus one.
 """
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+
+
+class RecentOutputs:
+    """The n-grams (min_n <= n <= max_n) of the engine's recent outputs, each with the few prompt
+    tokens before it, and what followed them: at most max_tokens tokens of outputs, the oldest
+    dropped first. Contract: `propose(context, k)` returns up to k tokens that followed the
+    context's longest suffix of n tokens in the latest output that has it, or []."""
+
+    def __init__(self, min_n: int, max_n: int, max_tokens: int = 1 << 16) -> None:
+        self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
+        self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, oldest first
+        self._held = 0  # tokens in _outputs
+        self._next_id = 0
+        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (output id, where it ends there)
+
+    def add(self, tokens: list[int]) -> None:
+        """Indexes an output (its prompt's last max_n tokens first) as the latest."""
+        if len(tokens) > self.max_tokens:
+            return
+        key, self._next_id = self._next_id, self._next_id + 1
+        self._outputs[key] = tokens
+        self._held += len(tokens)
+        for end in range(self.min_n, len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._ends[tuple(tokens[end - n : end])] = (key, end)
+        while self._held > self.max_tokens:
+            _, dropped = self._outputs.popitem(last=False)
+            self._held -= len(dropped)
+        if len(self._ends) > 4 * self.max_tokens * (self.max_n - self.min_n + 1):  # mostly entries of dropped outputs
+            self._ends = {gram: at for gram, at in self._ends.items() if at[0] in self._outputs}
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            found = self._ends.get(tuple(context[len(context) - n :]))
+            if found is not None and found[0] in self._outputs:
+                key, end = found
+                return self._outputs[key][end : end + k]
+        return []
 
 
 @dataclass
@@ -34,7 +78,8 @@ class PromptLookup:
     def __post_init__(self) -> None:
         self.budget = self.max_tokens
 
-    def propose(self, tokens: list[int]) -> list[int]:
+    def propose(self, tokens: list[int], recent: RecentOutputs | None = None) -> list[int]:
+        """(The class's contract); where the context has no match, recent's proposal for it."""
         length = len(tokens)
         for end in range(max(self._indexed, self.min_n), length):
             for n in range(self.min_n, min(self.max_n, end) + 1):
@@ -46,7 +91,7 @@ class PromptLookup:
             found = self._ends.get(tuple(tokens[length - n :]))
             if found is not None:  # what followed it; near the end, the text from there on repeating itself
                 return [tokens[found + i % (length - found)] for i in range(self.budget)]
-        return []
+        return recent.propose(tokens[-self.max_n :], self.budget) if recent is not None else []
 
     def accepted(self, proposed: int, taken: int) -> None:
         """Adapts the budget after a step that proposed `proposed` tokens and kept `taken` of them."""

@@ -15,7 +15,7 @@ from service.engine.kv_blocks import KVBlockManager
 from service.engine.request import Delta, GenerationParams, Request
 from service.engine.runner import _verify
 from service.engine.scheduler import Scheduler
-from service.engine.speculation import PromptLookup
+from service.engine.speculation import PromptLookup, RecentOutputs
 from tests.engine.helpers import deltas_of
 
 # Prompts that repeat themselves, so the model's continuations often copy what came before.
@@ -166,3 +166,35 @@ def test_preempted_requests_with_drafts_make_the_same_outputs() -> None:
     assert sum(r.preemptions for r in reports) > 0 and sum(r.drafts for r in reports) > 0
     for request_id, deltas in plain.items():
         assert [t for d in speculated[request_id] for t in d.token_ids] == [t for d in deltas for t in d.token_ids], request_id
+
+
+def test_recent_outputs_propose_what_followed_in_another_requests_output() -> None:
+    recent = RecentOutputs(min_n=2, max_n=3, max_tokens=12)
+    recent.add([1, 2, 3, 4, 5, 6])
+    recent.add([9, 2, 3, 7, 8])
+    assert recent.propose([0, 2, 3], 4) == [7, 8]  # the latest output with [2, 3], to its end
+    assert recent.propose([1, 2, 3], 2) == [4, 5]  # [1, 2, 3]: the longest match first
+    lookup = PromptLookup(min_n=2, max_n=3, max_tokens=3)
+    assert lookup.propose([5, 9, 2, 3], recent) == [7, 8]  # nothing in its own context: the shared outputs'
+    recent.add([10, 11, 12, 13, 14, 15])  # 17 tokens held: the oldest output is dropped
+    assert recent.propose([1, 2, 3], 2) == [7, 8]  # [1, 2, 3] went with it; [2, 3] is still in the second
+
+
+def test_a_request_speculates_from_an_earlier_requests_output_and_answers_the_same() -> None:
+    """A request whose answer another request gave before: its drafts come from that output (its
+    own context has no match at first), and its tokens are those made without speculation."""
+    prompt = "BRUTUS:\\nGood morrow"
+    plain = engine(0)
+    expected = run_one(plain, prompt)
+    shared = engine(4)
+    assert run_one(shared, prompt) == expected
+    reports: list[StepReport] = []
+    shared.on_step = reports.append
+    assert run_one(shared, prompt) == expected
+    accepted = sum(sum(r.accepted_per_position) for r in reports)
+    assert accepted >= len(expected) // 2  # most of the second answer came from the first's
+
+
+def run_one(engine: Engine, prompt: str) -> list[int]:
+    request = Request(prompt, engine.runner.encode_prompt(prompt), GenerationParams(max_tokens=40, sampling=GREEDY))
+    return [t for d in deltas_of(engine, {0: [request]})[prompt] for t in d.token_ids]
