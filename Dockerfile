@@ -23,8 +23,12 @@ COPY benchmarks ./benchmarks
 COPY deploy ./deploy
 RUN pip install .
 # Ray and the replicas run as this user; Ray writes its session (and ~/.ray/auth_token) as it.
-RUN useradd --create-home --uid 1000 --shell /bin/bash ray && install -d -o ray /tmp/ray
+RUN useradd --create-home --uid 1000 --shell /bin/bash ray && install -d -o ray /tmp/ray /cache
 USER ray
+# The C kernels' builds and torch.compile's artifacts (service/engine/compile_cache.py), kept
+# between starts where a volume is mounted here (deploy/docker-compose.yml, the KubeRay manifest).
+ENV TRANSFORMER_SERVING_CACHE=/cache
+VOLUME /cache
 ENV RAY_USAGE_STATS_ENABLED=0
 # Two malloc arenas per process: with one per thread the ingress's memory crept up (service/config.py).
 ENV MALLOC_ARENA_MAX=2

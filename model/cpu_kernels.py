@@ -46,7 +46,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TRANSFORMER_SERVING_CACHE", default))
 
 
-def _cpu_fingerprint() -> str:
+def cpu_fingerprint() -> str:
     """This CPU's model and flags (-march=native code may not run on another)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -74,7 +74,7 @@ def build(compiler: str, directory: Path, march: str = "native") -> Path:
     build other vector widths) into one shared library in `directory` (once per sources, flags and
     CPU) and returns its path. Raises subprocess.CalledProcessError if they do not compile."""
     flags = (*COMPILE_FLAGS, f"-march={march}", *sanitizer_flags())
-    digest = hashlib.sha256(" ".join(flags).encode() + _cpu_fingerprint().encode())
+    digest = hashlib.sha256(" ".join(flags).encode() + cpu_fingerprint().encode())
     for source in SOURCES:
         digest.update(source.name.encode() + source.read_bytes())
     library = directory / f"cpu-kernels-{sanitizer_name()}{digest.hexdigest()[:16]}.so"

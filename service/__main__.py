@@ -53,8 +53,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=batch_sizes,
         default=(),
         metavar="B[-B][,...]",
-        help="batch sizes (rows) at which decode steps run torch.compile'd, e.g. 1-64: compiled at start and timed once "
-        "per power-of-two bucket, each bucket kept where it measures faster",
+        help="batch sizes (rows) at which decode steps run torch.compile'd, e.g. 1-64: compiled and timed once per "
+        "power-of-two bucket while the replica serves eagerly, each bucket kept where it measures faster; the compiled "
+        "code is kept in $TRANSFORMER_SERVING_CACHE/torch-compile for later starts",
     )
     parser.add_argument(
         "--speculative-tokens",
@@ -140,7 +141,9 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
         if args.speculative_tokens is not None:
             engine = replace(engine, num_speculative_tokens=args.speculative_tokens)
         if args.compiled_decode:  # the sizes a model's slots hold
-            engine = replace(engine, compiled_decode=tuple(b for b in args.compiled_decode if b <= engine.n_slots))
+            # compiled on a thread of its own while the replica serves eagerly
+            sizes = tuple(b for b in args.compiled_decode if b <= engine.n_slots)
+            engine = replace(engine, compiled_decode=sizes, compile_in_background=True)
         update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}
         return model.model_copy(update=update)
 

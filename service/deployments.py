@@ -5,6 +5,7 @@ Refusal) and reports health; limits and defaults are the engine's."""
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -22,6 +23,7 @@ from loading.tool_formats import call_id
 from loading.tool_grammars import forced_call_grammar
 from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
+from service.engine.compiled_decode import CompiledDecode
 from service.engine.config import StructuredOutput, TokenLogprob
 from service.engine.engine import Engine
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -150,6 +152,9 @@ class ModelDeployment:
         engine.on_step = self.metrics.record_step
         self.engine = AsyncEngine(engine)
         self.runner = engine.runner
+        compiled = getattr(self.runner, "compiled", None)
+        if compiled is not None:  # compiled in the background (compile_in_background): say when it takes over
+            threading.Thread(target=self._log_compiled, args=(compiled,), name="compiled-log", daemon=True).start()
         self.inspector = AttentionInspector(config.checkpoint, device)
         pool = self.runner.kv_pool
         log.info(
@@ -157,6 +162,15 @@ class ModelDeployment:
             config.name, device, dtype, torch.get_num_threads(), self.runner.kv_cache_bytes / 1e6,
             f"{pool.num_blocks - 1} blocks of {pool.block_size} tokens" if pool else f"{config.engine.n_slots} slots",
             self.runner.max_len,
+        )  # fmt: skip
+
+    def _log_compiled(self, compiled: CompiledDecode) -> None:
+        started = time.monotonic()
+        compiled.ready.wait()
+        timings = ", ".join(f"{size}: {1e3 * eager:.1f} / {1e3 * fast:.1f} ms" for size, (eager, fast) in sorted(compiled.timings.items()))
+        log.info(
+            "%s: compiled decode steps ready %.0f s after start, at batch sizes %s (eager / compiled: %s)",
+            self.config.name, time.monotonic() - started, sorted(compiled.batch_sizes), timings,
         )  # fmt: skip
 
     @staticmethod

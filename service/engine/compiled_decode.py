@@ -20,10 +20,15 @@ at the bucket's largest size named: every size of a bucket where compiled is fas
 (`timings` says by how much, per size timed). A 256-row translator's start times 9 sizes, not 256.
 A step of another batch size runs eagerly, and so does one that would need a new graph
 (torch.compiler's eager_on_recompile stance): no request waits for a compilation.
+
+With `background`, all of that runs on a thread of its own while the engine serves eagerly, and the
+compiled sizes take over when every graph is ready (`ready`). With a CompileCache, the artifacts of
+an earlier start with the same key are loaded first, and a start that found none saves its own.
 """
 
 import logging
 import statistics
+import threading
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -35,6 +40,7 @@ from torch import Tensor
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, PagedKVCache, RaggedStep, cache_slots, decode_group
 from model.translator import Translator
+from service.engine.compile_cache import CompileCache
 from service.engine.fixed_shape import bucket, buckets
 
 logger = logging.getLogger(__name__)
@@ -52,11 +58,18 @@ class CompiledDecode:
     stance = "eager_on_recompile"  # torch.compiler's, for every step after the warm-up
 
     def __init__(
-        self, model: Generator | Translator, cache: PagedKVCache, batch_sizes: Sequence[int], sources: CrossAttentionCache | None = None
+        self,
+        model: Generator | Translator,
+        cache: PagedKVCache,
+        batch_sizes: Sequence[int],
+        sources: CrossAttentionCache | None = None,
+        compile_cache: CompileCache | None = None,
+        background: bool = False,
     ) -> None:
-        """Compiles and times the step at each of batch_sizes now (on the cache's null block only:
-        the pool's other blocks are untouched). sources: a translator's cross-attention cache (its
-        decode_kernel on), which its steps read (the warm-up reads slot 0's)."""
+        """Compiles and times the step at each of batch_sizes now, or with `background` on a thread
+        of its own (on the cache's null block only: the pool's other blocks are untouched). sources:
+        a translator's cross-attention cache (its decode_kernel on), which its steps read (the
+        warm-up reads slot 0's). compile_cache: where earlier starts' artifacts are looked up first."""
         assert isinstance(model, Generator) or (sources is not None and sources.decode_kernel), "a translator reads its sources in place"
         self.model, self.cache, self.sources = model, cache, sources
         self.device = cache.keys[0].device
@@ -70,8 +83,32 @@ class CompiledDecode:
         }
         self._compiled = torch.compile(own_code(self._step), dynamic=True, options=options)
         self.timings: dict[int, tuple[float, float]] = {}  # batch size timed -> (eager, compiled) seconds per step
-        self.batch_sizes: frozenset[int] = frozenset()  # those that run compiled
-        self._warm_up(sorted(set(batch_sizes)))
+        self.batch_sizes: frozenset[int] = frozenset()  # those that run compiled (none until ready)
+        self.ready = threading.Event()
+        sizes = sorted(set(batch_sizes))
+        if background:
+            threading.Thread(target=self._prepare, args=(sizes, compile_cache), name="compiled-decode", daemon=True).start()
+        else:
+            self._prepare(sizes, compile_cache)
+
+    def _prepare(self, batch_sizes: list[int], compile_cache: CompileCache | None) -> None:
+        """The warm-up over the compile cache's artifacts; then the sizes that measured faster run compiled."""
+        started = time.perf_counter()
+        try:
+            key = ""
+            if compile_cache is not None:
+                parameter = next(self.model.parameters())
+                what = [type(self.model).__name__, repr(self.model.config), str(parameter.dtype), self.device.type, repr(batch_sizes)]
+                key = compile_cache.key(*what, "sources" if self.sources is not None else "")
+            loaded = compile_cache is not None and compile_cache.load(key)
+            self.batch_sizes = self._warm_up(batch_sizes)  # from here on, steps of these sizes run compiled
+            if compile_cache is not None and not loaded:
+                compile_cache.save(key)
+        except Exception:  # a compiler failure leaves every step eager: the engine serves on
+            logger.exception("compiling the decode step failed: it stays eager")
+        finally:
+            self.ready.set()
+        logger.info("compiled decode steps after %.0f s: batch sizes %s", time.perf_counter() - started, sorted(self.batch_sizes))
 
     def _step(self, ids: Tensor, positions: Tensor, key_blocks: Tensor, *sources: Tensor) -> Tensor:
         """Logits (B, V) of one token per sequence: ids and positions (B,) and each row's key blocks
@@ -100,7 +137,9 @@ class CompiledDecode:
             return self._compiled(ids, torch.tensor(positions, device=self.device), key_blocks, *(sources or ()))
 
     @torch.inference_mode()
-    def _warm_up(self, batch_sizes: list[int]) -> None:
+    def _warm_up(self, batch_sizes: list[int]) -> frozenset[int]:
+        """Compiles and times each bucket of batch_sizes; the sizes whose bucket measured faster compiled."""
+        faster_sizes: set[int] = set()
         keys = min(WARM_UP_KEYS if self.sources is None else WARM_UP_TRANSLATION_KEYS, self.model.config.max_len)  # within its positions
         for batch, sizes in size_buckets(batch_sizes).items():
             started = time.perf_counter()
@@ -113,7 +152,7 @@ class CompiledDecode:
             self.timings[batch] = self.time_step(batch, keys, TIMED_STEPS)
             faster = self.timings[batch][1] < self.timings[batch][0]
             if faster:
-                self.batch_sizes |= set(sizes)
+                faster_sizes |= set(sizes)
             logger.info(
                 "decode at batch %d: eager %.1f ms, compiled %.1f ms (compiled in %.0f s): %s at %d-%d",
                 batch,
@@ -124,6 +163,7 @@ class CompiledDecode:
                 sizes[0],
                 sizes[-1],
             )
+        return frozenset(faster_sizes)
 
     @torch.inference_mode()
     def time_step(self, batch: int, keys: int, steps: int) -> tuple[float, float]:

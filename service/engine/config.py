@@ -86,8 +86,12 @@ class EngineConfig:
     # (inductor; service/engine/compiled_decode.py): compiled when the replica starts (a minute or
     # two per graph on 2 CPU cores) and timed against the eager step once per power-of-two bucket
     # of sizes, each bucket kept only where the compiled step is faster. Empty: every step eager.
-    # Not used where CUDA graphs run the decodes.
+    # Not used where CUDA graphs run the decodes. compile_in_background: the engine serves eagerly
+    # meanwhile, and the compiled steps take over once ready. compile_cache: the artifacts are
+    # kept between starts (service/engine/compile_cache.py: $TRANSFORMER_SERVING_CACHE/torch-compile).
     compiled_decode: tuple[int, ...] = ()
+    compile_in_background: bool = False
+    compile_cache: bool = True
     # Structured outputs' grammars are checked and converted in a worker process: a grammar text
     # (schema, regex, choices or EBNF) over grammar_max_bytes, or taking over
     # grammar_compile_timeout_s there, is refused with a 400 (service/engine/grammar_check.py).

@@ -2,7 +2,7 @@
 
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -17,6 +17,7 @@ from loading.tokenizer import TextTokenizer
 from model.generator import Generator
 from model.kv_cache import CrossAttentionCache, PagedKVCache, SourceLayer, ragged_step
 from model.translator import Translator
+from service.engine.compile_cache import CompileCache, default_directory
 from service.engine.compiled_decode import CompiledDecode
 from service.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig, TokenLogprob, serving_context
 from service.engine.fixed_shape import GeneratorDecoder, PagedFed, TranslatorDecoder
@@ -242,7 +243,7 @@ class GeneratorRunner:
         capture = self.device.type == "cuda"
         self.fixed_shape = GeneratorDecoder(model, self.cache, config.n_slots, self.max_len, capture) if fixed_shape_decode else None
         compiled = config.compiled_decode and not fixed_shape_decode
-        self.compiled = CompiledDecode(model, self.cache, config.compiled_decode) if compiled else None
+        self.compiled = compiled_decode(model, self.cache, config, None) if compiled else None
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - prompt_length
@@ -435,11 +436,12 @@ class TranslatorRunner:
         fixed_shape_decode: bool | None = None,
         block_size: int = EngineConfig.block_size,
         encoded_ahead_tokens: int = 2 * EngineConfig.max_num_batched_tokens,
-        compiled_decode: Sequence[int] = (),
+        config: EngineConfig | None = None,
     ) -> None:
         """max_context: EngineConfig.max_context (None: its default), the length of the source
         (cross-attention) and target caches. fixed_shape_decode: as GeneratorRunner's.
-        compiled_decode: EngineConfig.compiled_decode (where the CPU kernel reads the sources). The
+        config: its compiled_decode (where the CPU kernel reads the sources), compile_in_background
+        and compile_cache (the other sizes are the arguments before). The
         decoder's self-attention keys are paged: blocks of block_size tokens, a pool (kv_pool) that
         holds every slot's whole context and a block per slot for beam forks, so that a step never
         waits for one; the engine's scheduler hands them out, a row (slot) a sequence, and forks a
@@ -470,8 +472,9 @@ class TranslatorRunner:
             fixed_shape_decode = self.device.type == "cuda"
         capture = self.device.type == "cuda"
         self.fixed_shape = TranslatorDecoder(model, self.cache, self.cross_cache, capture) if fixed_shape_decode else None
-        compiled = compiled_decode and not fixed_shape_decode and self.cross_cache.decode_kernel
-        self.compiled = CompiledDecode(model, self.cache, compiled_decode, self.cross_cache) if compiled else None
+        config = config or EngineConfig(n_slots=n_slots)
+        compiled = config.compiled_decode and not fixed_shape_decode and self.cross_cache.decode_kernel
+        self.compiled = compiled_decode(model, self.cache, config, self.cross_cache) if compiled else None
 
     def max_new_tokens(self, prompt_length: int) -> int:
         return self.max_len - 1  # position 0 holds the start token
@@ -645,6 +648,14 @@ class TranslatorRunner:
         return logits, [row_of[s] for s in fed]
 
 
+def compiled_decode(
+    model: Generator | Translator, cache: PagedKVCache, config: EngineConfig, sources: CrossAttentionCache | None
+) -> CompiledDecode:
+    """The config's compiled decode steps (compiled_decode, compile_in_background, compile_cache)."""
+    store = CompileCache(default_directory()) if config.compile_cache else None
+    return CompiledDecode(model, cache, config.compiled_decode, sources, store, config.compile_in_background)
+
+
 def runner_for(model: Translator | Generator, tokenizer: TextTokenizer, config: EngineConfig) -> ModelRunner:
     if isinstance(model, Translator):
         return TranslatorRunner(
@@ -654,6 +665,6 @@ def runner_for(model: Translator | Generator, tokenizer: TextTokenizer, config: 
             config.max_context,
             block_size=config.block_size,
             encoded_ahead_tokens=2 * config.max_num_batched_tokens,
-            compiled_decode=config.compiled_decode,
+            config=config,
         )
     return GeneratorRunner(model, tokenizer, config)

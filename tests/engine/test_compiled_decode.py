@@ -18,6 +18,7 @@ from model.generator import Generator
 from model.kv_cache import PagedKVCache, ragged_step
 from model.packed_linear import pack_linear_layers, packing_available
 from model.translator import Translator
+from service.engine.compile_cache import CompileCache
 from service.engine.compiled_decode import CompiledDecode, size_buckets
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
@@ -146,7 +147,7 @@ def test_an_engine_with_compiled_decodes_answers_as_the_plain_engine(
     llama: tuple[Generator, TextTokenizer], runner: GeneratorRunner, compiled: CompiledDecode
 ) -> None:
     model, tokenizer = llama
-    config = EngineConfig(n_slots=4)
+    config = EngineConfig(n_slots=4, num_speculative_tokens=0)  # every step after a prompt a decode-only one
     plain = Engine(GeneratorRunner(model, tokenizer, config), config)
     fast = Engine(runner, config)  # every decode-only step through a compiled graph (or failing)
     texts = ["You are all resolved rather to die than to famish?", "Let us kill him", "O", "We are accounted poor citizens"]
@@ -164,6 +165,41 @@ def test_an_engine_with_compiled_decodes_answers_as_the_plain_engine(
             return model(torch.tensor([prompt + prefix]))[0, -1]
 
         assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)
+
+
+@torch.inference_mode()
+def test_a_background_compile_serves_eagerly_meanwhile_and_keeps_its_artifacts(
+    llama: tuple[Generator, TextTokenizer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compile_in_background: the engine answers from the start (eagerly while the graphs compile,
+    on another thread), the same as without; once ready, the timed sizes run compiled where they
+    won, and the compile cache holds the artifacts for the next start (one entry, which loads)."""
+    monkeypatch.setenv("TRANSFORMER_SERVING_CACHE", str(tmp_path))
+    model, tokenizer = llama
+    plain_config = EngineConfig(n_slots=4, num_speculative_tokens=0)
+    config = EngineConfig(n_slots=4, num_speculative_tokens=0, compiled_decode=(1, 2), compile_in_background=True)
+    plain = Engine(GeneratorRunner(model, tokenizer, plain_config), plain_config)
+    background = Engine(GeneratorRunner(model, tokenizer, config), config)
+    params = GenerationParams(max_tokens=12, sampling=GREEDY)
+
+    prompts = {"a": plain.runner.encode_prompt("Let us kill him"), "b": [5, 9, 13]}
+
+    def arrivals() -> dict[int, list[Request]]:
+        return {0: [Request("a", prompts["a"], params)], 2: [Request("b", prompts["b"], params)]}
+
+    expected, got = run(plain, arrivals()), run(background, arrivals())
+    for request_id, tokens in got.items():
+
+        def logits_after(prefix: list[int], prompt: list[int] = prompts[request_id]) -> torch.Tensor:
+            return model(torch.tensor([prompt + prefix]))[0, -1]
+
+        assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)  # eager or compiled steps: within 1e-4
+    compiled = background.runner.compiled
+    assert isinstance(compiled, CompiledDecode) and compiled.ready.wait(timeout=900)  # a bound on a broken compile, not a speed
+    assert set(compiled.timings) == {1, 2}
+    assert compiled.batch_sizes == {size for size, (eager, fast) in compiled.timings.items() if fast < eager}
+    (entry,) = (tmp_path / "torch-compile").glob("*.bin")
+    assert CompileCache(entry.parent).load(entry.stem)
 
 
 def test_a_warm_up_times_the_largest_size_of_each_power_of_two_bucket() -> None:
@@ -198,7 +234,7 @@ def translator_runner() -> TranslatorRunner:
     assert isinstance(model, Translator)
     pack_linear_layers(model)
     counters.clear()
-    runner = TranslatorRunner(model, tokenizer, n_slots=8, compiled_decode=(1, 2))
+    runner = TranslatorRunner(model, tokenizer, n_slots=8, config=EngineConfig(n_slots=8, compiled_decode=(1, 2)))
     if runner.compiled is None:
         pytest.skip("the CPU attention kernel, which a compiled translator step reads its sources through, is off")
     assert not counters["graph_break"], f"the decoder step is not one graph: {dict(counters['graph_break'])}"
