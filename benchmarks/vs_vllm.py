@@ -167,10 +167,10 @@ COPY_PROMPTS = ROOT / "evals" / "copy_edit" / "prompts.jsonl"
 
 
 def copy_work(concurrency: int, requests: int) -> tuple[str, ...]:
-    """vllm bench serve's arguments for the copy-editing prompts as they are (no chat template), at
-    most 320 tokens out each: the answers end at the model's eos."""
+    """vllm bench serve's arguments for the copy-editing prompts as they are (no chat template), each
+    at most its expected answer's tokens (its output_tokens): the answers end at the model's eos."""
     return (
-        *("--dataset-name", "custom", "--dataset-path", str(COPY_PROMPTS), "--skip-chat-template", "--custom-output-len", "320"),
+        *("--dataset-name", "custom", "--dataset-path", str(COPY_PROMPTS), "--skip-chat-template", "--custom-output-len", "-1"),
         *("--max-concurrency", str(concurrency), "--num-prompts", str(requests), "--disable-shuffle"),
     )
 
@@ -654,6 +654,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted((set(systems) - set(SYSTEMS)) | (set(scenarios) - set(suite.scenarios)))
     if unknown:
         parser.error(f"unknown: {', '.join(unknown)}")
+    if suite is COPY and args.folder is None and not COPY.folder.is_dir():
+        parser.error(f"{COPY.folder} is missing: train it first (python -m evals.copy_edit.train; see its status)")
     folder = (args.folder or build_folder(suite.folder, suite.shape, suite.model)).resolve()
     if args.build_only:
         print(f"built {folder}")

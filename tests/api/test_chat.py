@@ -182,16 +182,19 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(api: tuple[TestClient, Ech
     assert http.post("/tokenize", json={}).status_code == 400
 
 
-def test_penalties_bias_min_tokens_and_ignore_eos_reach_the_model(api: tuple[TestClient, EchoModel]) -> None:
+def test_penalties_bias_min_tokens_ignore_eos_and_speculation_reach_the_model(api: tuple[TestClient, EchoModel]) -> None:
     http, model = api
     penalties = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2}
-    penalties |= {"min_tokens": 2, "ignore_eos": True, "logit_bias": {"5": -100}}
+    penalties |= {"min_tokens": 2, "ignore_eos": True, "logit_bias": {"5": -100}, "speculative_decoding": False}
     assert http.post("/v1/completions", json={"prompt": "x", **penalties}).status_code == 200
     assert http.post("/v1/chat/completions", json={"messages": MESSAGES, **penalties}).status_code == 200
     for request in model.requests:
         sampling = request.sampling
         assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.5, 1.2)
         assert (request.min_tokens, request.ignore_eos, request.sampling.logit_bias) == (2, True, ((5, -100.0),))
+        assert not request.speculate
+    assert http.post("/v1/completions", json={"prompt": "x", "speculative_decoding": "no"}).status_code == 400  # a boolean
+    assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200 and model.requests[-1].speculate  # on by default
 
 
 class CallingModel:
