@@ -109,12 +109,13 @@ class EngineConfig:
     # weights, and verifying proposals would cost more than it saves. 0 tokens: off. Not for
     # structured outputs (their grammar's forced tokens are fast-forwarded instead) nor beams.
     # Where a sequence's own context has no match, the last recent_outputs_tokens tokens of the
-    # engine's finished outputs are looked up too (speculation.RecentOutputs; 0: not).
+    # engine's finished outputs are looked up too (speculation.RecentOutputs, 4-8 MB at the
+    # default; 0: not).
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculation_max_batch: int = 8
-    recent_outputs_tokens: int = 1 << 16
+    recent_outputs_tokens: int = 1 << 13
 
     def __post_init__(self) -> None:
         if self.n_slots < 1 or self.max_waiting < 1 or self.max_num_batched_tokens < 1:

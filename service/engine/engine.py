@@ -362,8 +362,12 @@ class Engine:
             report.accepted_per_position[position] += 1
 
     def _propose(self, r: Request) -> None:
-        """r's drafts for its next step (speculative decoding), within its token limit."""
+        """r's drafts for its next step (speculative decoding), within its token limit; none while
+        more requests run than a step speculates for (its index catches up when it next proposes)."""
         if r.lookup is None:
+            return
+        if len(self.scheduler.running) > self.config.speculation_max_batch:
+            r.draft_ids = []
             return
         room = r.max_tokens - len(r.output_ids) - 1  # the step's own token comes after them
         r.draft_ids = r.lookup.propose(r.token_ids, self.recent)[:room] if room > 0 else []

@@ -23,15 +23,16 @@ from dataclasses import dataclass, field
 class RecentOutputs:
     """The n-grams (min_n <= n <= max_n) of the engine's recent outputs, each with the few prompt
     tokens before it, and what followed them: at most max_tokens tokens of outputs, the oldest
-    dropped first. Contract: `propose(context, k)` returns up to k tokens that followed the
-    context's longest suffix of n tokens in the latest output that has it, or []."""
+    dropped first (about 100 bytes of index per token and n). Contract: `propose(context, k)` returns
+    up to k tokens that followed the context's longest suffix of n tokens in the latest output that
+    has it, or []."""
 
-    def __init__(self, min_n: int, max_n: int, max_tokens: int = 1 << 16) -> None:
+    def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
         self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
         self._outputs: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, oldest first
         self._held = 0  # tokens in _outputs
         self._next_id = 0
-        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (output id, where it ends there)
+        self._ends: dict[int, int] = {}  # an n-gram's hash -> output id << 32 | where it ends there
 
     def add(self, tokens: list[int]) -> None:
         """Indexes an output (its prompt's last max_n tokens first) as the latest."""
@@ -42,19 +43,18 @@ class RecentOutputs:
         self._held += len(tokens)
         for end in range(self.min_n, len(tokens)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self._ends[tuple(tokens[end - n : end])] = (key, end)
+                self._ends[hash(tuple(tokens[end - n : end]))] = key << 32 | end
         while self._held > self.max_tokens:
             _, dropped = self._outputs.popitem(last=False)
             self._held -= len(dropped)
-        if len(self._ends) > 4 * self.max_tokens * (self.max_n - self.min_n + 1):  # mostly entries of dropped outputs
-            self._ends = {gram: at for gram, at in self._ends.items() if at[0] in self._outputs}
+        if len(self._ends) > 2 * self.max_tokens * (self.max_n - self.min_n + 1):  # half of them dropped outputs'
+            self._ends = {gram: at for gram, at in self._ends.items() if at >> 32 in self._outputs}
 
     def propose(self, context: list[int], k: int) -> list[int]:
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
-            found = self._ends.get(tuple(context[len(context) - n :]))
-            if found is not None and found[0] in self._outputs:
-                key, end = found
-                return self._outputs[key][end : end + k]
+            found = self._ends.get(hash(tuple(context[len(context) - n :])))
+            if found is not None and found >> 32 in self._outputs:  # (a hash that collides proposes badly: verified anyway)
+                return self._outputs[found >> 32][found & 0xFFFFFFFF : (found & 0xFFFFFFFF) + k]
         return []
 
 
@@ -70,9 +70,9 @@ class PromptLookup:
     max_n: int
     max_tokens: int
     budget: int = 0
-    # n-gram -> where its latest occurrence ends (the index of the token after it); over the
-    # n-grams that end before the context's last token, so a suffix never matches itself.
-    _ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+    # An n-gram's hash -> where its latest occurrence ends (the index of the token after it); over
+    # the n-grams that end before the context's last token, so a suffix never matches itself.
+    _ends: dict[int, int] = field(default_factory=dict)
     _indexed: int = 0  # n-grams ending at positions below this are in _ends
 
     def __post_init__(self) -> None:
@@ -83,12 +83,12 @@ class PromptLookup:
         length = len(tokens)
         for end in range(max(self._indexed, self.min_n), length):
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self._ends[tuple(tokens[end - n : end])] = end
+                self._ends[hash(tuple(tokens[end - n : end]))] = end
         self._indexed = max(self._indexed, length)
         if self.budget <= 0:
             return []
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            found = self._ends.get(tuple(tokens[length - n :]))
+            found = self._ends.get(hash(tuple(tokens[length - n :])))
             if found is not None:  # what followed it; near the end, the text from there on repeating itself
                 return [tokens[found + i % (length - found)] for i in range(self.budget)]
         return recent.propose(tokens[-self.max_n :], self.budget) if recent is not None else []

@@ -198,3 +198,11 @@ def test_a_request_speculates_from_an_earlier_requests_output_and_answers_the_sa
 def run_one(engine: Engine, prompt: str) -> list[int]:
     request = Request(prompt, engine.runner.encode_prompt(prompt), GenerationParams(max_tokens=40, sampling=GREEDY))
     return [t for d in deltas_of(engine, {0: [request]})[prompt] for t in d.token_ids]
+
+
+def test_recent_outputs_hold_a_bounded_index_however_many_outputs_come() -> None:
+    recent = RecentOutputs(min_n=2, max_n=4, max_tokens=1000)
+    for i in range(2000):
+        recent.add([(i * 7 + j * 13) % 997 for j in range(25)])
+        assert len(recent._ends) <= 2 * 1000 * 3 + 25 * 3  # an output's entries over the bound before they are swept
+    assert sum(len(tokens) for tokens in recent._outputs.values()) <= 1000

@@ -129,7 +129,7 @@ def test_automatic_tool_choice_answers_text_or_valid_calls(client: openai.OpenAI
 def test_the_responses_api_forces_a_call_in_mistrals_format(client: openai.OpenAI) -> None:
     tool: Any = {"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMETERS}
     response = client.responses.create(
-        model="mistral", input="Weather in Verona?", tools=[tool], tool_choice="required", max_output_tokens=300
+        model="mistral", input="Weather in Verona?", tools=[tool], tool_choice="required", parallel_tool_calls=False, max_output_tokens=300
     )
     [call] = response.output
     assert call.type == "function_call" and len(call.call_id) == 9
