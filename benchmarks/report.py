@@ -616,7 +616,7 @@ def vs_vllm_speculation() -> str:
         )
     header = ["work", "output tok/s, vLLM / ours / ours without speculation", "ours / ours without", "ours / vLLM"]
     header += ["TTFT p50 ms, the same", "acceptance rate / mean accepted length", "failed"]
-    command = "python -m benchmarks.vs_vllm --systems ours,ours_nospec --scenarios random_c1,random_c8,random_c16 --json FILE"
+    command = "python -m benchmarks.vs_vllm --systems vllm,ours,ours_nospec --scenarios random_c1,random_c8,random_c16 --json FILE"
     return table(header, rows) + measured_by(data, command)
 
 
