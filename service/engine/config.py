@@ -106,8 +106,8 @@ class EngineConfig:
     # occurrence of its last prompt_lookup_max ... prompt_lookup_min tokens, and one step verifies
     # them; lossless (the outputs of one token a step, seed for seed). Only while a step decodes at
     # most speculation_max_batch sequences: past that a step is no longer bound by reading the
-    # weights, and verifying proposals would cost more than it saves. 0 tokens: off. Not for
-    # structured outputs (their grammar's forced tokens are fast-forwarded instead) nor beams.
+    # weights, and verifying proposals would cost more than it saves. 0 tokens: off. Not for beams;
+    # a structured output proposes what its grammar allows, each row masked after the drafts before it.
     # Where a sequence's own context has no match, the last recent_outputs_tokens tokens of the
     # engine's finished outputs are looked up too (speculation.RecentOutputs, 4-8 MB at the
     # default; 0: not).

@@ -200,7 +200,7 @@ class Engine:
         detokenizer = IncrementalDetokenizer(self._pieces, stop, self.runner.strip_leading_space, request.params.min_tokens)
         self._detokenizers[request.request_id] = detokenizer
         c, params = self.config, request.params
-        drafting = params.speculate and request.grammar is None and params.beam_size == 1
+        drafting = params.speculate and params.beam_size == 1
         if c.num_speculative_tokens and self.scheduler.decoder_only and drafting:
             request.lookup = PromptLookup(c.prompt_lookup_min, c.prompt_lookup_max, c.num_speculative_tokens)
 
@@ -227,7 +227,7 @@ class Engine:
         if not plan.is_empty:
             try:
                 if self.grammars.in_use:  # the masks are computed while the model runs
-                    plan.grammar = self.grammars.masks(plan.prefill + plan.decode)
+                    plan.grammar = self.grammars.masks(plan.prefill + plan.decode, plan.drafts)
                 output = self.runner.execute(plan)
             except Exception as error:
                 log.exception("step failed; failing its %d requests", plan.batch_size)
@@ -324,7 +324,7 @@ class Engine:
             if problem is not None:
                 return self._end(r, "constraint", report, error=problem)
             r.output_ids.append(token)
-            forced = self._fast_forward(r)
+            forced = self._fast_forward(r) if i == len(tokens) - 1 else []  # after the step's last token only
             report.generated_tokens += len(forced)
             token_ids += [token, *forced]
             text += "".join(detokenizer.add(t) for t in (token, *forced))
@@ -370,7 +370,10 @@ class Engine:
             r.draft_ids = []
             return
         room = r.max_tokens - len(r.output_ids) - 1  # the step's own token comes after them
-        r.draft_ids = r.lookup.propose(r.token_ids, self.recent)[:room] if room > 0 else []
+        drafts = r.lookup.propose(r.token_ids, self.recent)[:room] if room > 0 else []
+        if drafts and r.grammar is not None:  # those its grammar allows
+            drafts = drafts[: r.grammar.validate_tokens(drafts)]
+        r.draft_ids = drafts
 
     def _beams_ended(self, r: Request, hypotheses: list[Hypothesis], now: float, report: StepReport) -> Delta:
         """A beam search's end: its best hypothesis is the output, the others' texts its alternatives."""

@@ -138,23 +138,40 @@ class GrammarCompiler:
             raise InvalidRequestError(compiled, output.param)
         return compiled
 
-    def masks(self, requests: list[Request]) -> "GrammarMasks | None":
-        """The next-token masks of the requests that have a matcher, started on the worker thread;
-        None when none has one."""
+    def masks(self, requests: list[Request], drafts: dict[str, list[int]]) -> "GrammarMasks | None":
+        """The next-token masks of the requests that have a matcher, started on the worker thread:
+        one for the next token, and one after each of its drafts (speculative decoding; the
+        matchers are left where they were); None when none has one."""
         constrained = [r for r in requests if r.grammar is not None]
         if not constrained:
             return None
         assert self._executor is not None and self._worker is not None, "a matcher comes from a compiled grammar"
         width = (self._tokenizer.vocab_size + 31) // 32  # int32 words of one row
-        bitmask = torch.empty(len(constrained), width, dtype=torch.int32)  # (K, W): a bit per token id
-        matchers = [(r.grammar, row) for row, r in enumerate(constrained) if r.grammar is not None]
-        row_bytes = width * 4
-        done = self._worker.submit(self._executor.unsafe_compute_mask_ptr, matchers, bitmask.data_ptr(), row_bytes, len(constrained))
-        return GrammarMasks({r.request_id: row for row, r in enumerate(constrained)}, bitmask, done)
+        firsts, rows = {}, 0
+        for r in constrained:
+            firsts[r.request_id], rows = rows, rows + 1 + len(drafts.get(r.request_id, ()))
+        bitmask = torch.zeros(rows, width, dtype=torch.int32)  # (K, W): a bit per token id (a row a draft cut short leaves: none)
+        plain, drafted = [], []
+        for r in constrained:
+            assert r.grammar is not None
+            if drafts.get(r.request_id):
+                drafted.append((r.grammar, firsts[r.request_id], drafts[r.request_id]))
+            else:
+                plain.append((r.grammar, firsts[r.request_id]))
+        executor = self._executor
+
+        def compute() -> None:  # llguidance takes drafted matchers (with their drafts) apart
+            if plain:
+                executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), width * 4, rows)
+            if drafted:
+                executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), width * 4, rows)
+
+        return GrammarMasks(firsts, bitmask, self._worker.submit(compute))
 
 
 class GrammarMasks:
-    """One step's masks: row i of bitmask (K, W) allows token t where bit t % 32 of word t // 32 is set."""
+    """One step's masks: row i of bitmask (K, W) allows token t where bit t % 32 of word t // 32 is
+    set; a request's rows start at rows[id]: its next token's, then one after each of its drafts."""
 
     def __init__(self, rows: dict[str, int], bitmask: Tensor, done: "Future[None]") -> None:
         self.rows = rows
@@ -162,9 +179,15 @@ class GrammarMasks:
         self.done = done
 
     def apply(self, logits: Tensor, request_ids: list[str]) -> None:
-        """logits (R, V), a row per request id in order: each constrained row's disallowed tokens
-        set to -inf in place (ids past the tokenizer's vocabulary are never allowed)."""
-        at = [(i, self.rows[r]) for i, r in enumerate(request_ids) if r in self.rows]
+        """logits (R, V), a row per request id in order (a request with drafts: its rows in order,
+        its id on each): each constrained row's disallowed tokens set to -inf in place (ids past
+        the tokenizer's vocabulary are never allowed)."""
+        seen: dict[str, int] = {}
+        at = []
+        for i, r in enumerate(request_ids):
+            if r in self.rows:
+                at.append((i, self.rows[r] + seen.get(r, 0)))
+                seen[r] = seen.get(r, 0) + 1
         if not at:
             return
         self.done.result()

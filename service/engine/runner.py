@@ -358,7 +358,7 @@ class GeneratorRunner:
                 last += 1
             requests, block_widths = sampling[first:last], widths[first:last]
             logits = logits_of(row, row + rows)  # (rows, V)
-            if plan.grammar is not None:  # a structured output never drafts: its one row
+            if plan.grammar is not None:  # a row each, and one per draft: the grammar's masks after the drafts before it
                 plan.grammar.apply(logits, [r.request_id for r, width in zip(requests, block_widths, strict=True) for _ in range(width)])
             if rows == len(requests):
                 chosen = [[t] for t in _sample(logits, requests, self.eos_ids)]

@@ -19,12 +19,12 @@ import torch
 
 from decoding.sampling_params import SamplingParams
 from service.engine.config import EngineConfig, StructuredOutput
-from service.engine.engine import Engine
+from service.engine.engine import Engine, StepReport
 from service.engine.errors import InvalidRequestError
 from service.engine.grammar import GrammarMasks, json_problem
 from service.engine.grammar_check import GrammarChecker, closed_schema
 from service.engine.request import GenerationParams, Request
-from tests.engine.helpers import context_sensitive_generator, deltas_of
+from tests.engine.helpers import context_sensitive_generator, deltas_of, run
 
 PERSON = {
     "type": "object",
@@ -161,7 +161,7 @@ def test_fast_forward_appends_the_forced_tokens_and_computes_what_the_plain_path
 
 
 def test_without_fast_forward_every_token_is_a_step_and_the_output_holds(engine: Engine) -> None:
-    stepping = Engine(engine.runner, EngineConfig(grammar_fast_forward=False))
+    stepping = Engine(engine.runner, EngineConfig(grammar_fast_forward=False, num_speculative_tokens=0))
     output = StructuredOutput("json", json.dumps(PERSON))
     request = Request("stepped", engine.runner.encode_prompt("ROMEO:\n"), GenerationParams(max_tokens=BOUNDED, structured=output))
     deltas = deltas_of(stepping, {0: [request]})["stepped"]
@@ -177,7 +177,7 @@ def test_the_steps_masks_are_llguidances_own(engine: Engine) -> None:
     for r, prefix in zip(requests, ['{"name":"', '{"name":"Ro","age":1', ""], strict=True):
         r.grammar = engine.grammars.matcher(output)
         assert r.grammar.consume_tokens(engine.runner.tokenizer.encode(prefix)) if prefix else True
-    masks = engine.grammars.masks(requests)
+    masks = engine.grammars.masks(requests, {})
     assert isinstance(masks, GrammarMasks)
     vocab = engine.runner.tokenizer.vocab_size + 5  # logits wider than the tokenizer: the extra ids are never allowed
     logits = torch.randn(4, vocab)  # row 1 belongs to a request without a grammar
@@ -333,3 +333,30 @@ def test_beam_search_min_tokens_and_ignore_eos_are_refused_with_a_grammar(engine
         engine.resolve([5], GenerationParams(max_tokens=4, min_tokens=2, structured=output))
     with pytest.raises(InvalidRequestError, match="ignore_eos"):
         engine.resolve([5], GenerationParams(max_tokens=4, ignore_eos=True, structured=output))
+
+
+def test_speculation_within_a_grammar_makes_what_one_token_a_step_makes(engine: Engine) -> None:
+    """Structured outputs whose prompts hold JSON of the schema's shape: the drafts a grammar allows
+    are verified with each row masked by the grammar after the drafts before it, and the outputs,
+    greedy and sampled, are those made without speculation (and follow the schema)."""
+    output = StructuredOutput("json", json.dumps(PERSON))
+    example = '{"name": "Romeo", "age": 17, "mood": "sad", "friends": ["Tybalt"]}'
+    prompts = [f"{example}\n", f"ROMEO:\n{example}\n", f"{example}\n{example}\n"]  # at most 102 tokens: 150 more fit
+    samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4), SamplingParams(temperature=0.7, seed=9)]
+
+    def outputs(speculative_tokens: int) -> tuple[dict[str, list[int]], int]:
+        config = EngineConfig(num_speculative_tokens=speculative_tokens)
+        speculating = Engine(engine.runner, config)
+        reports: list[StepReport] = []
+        speculating.on_step = reports.append
+        requests = [
+            Request(f"{i}-{j}", engine.runner.encode_prompt(p), GenerationParams(max_tokens=150, sampling=s, structured=output))
+            for i, p in enumerate(prompts)
+            for j, s in enumerate(samplings)
+        ]
+        return run(speculating, {0: requests}), sum(r.draft_tokens for r in reports)
+
+    (plain, _), (speculated, drafted) = outputs(0), outputs(4)
+    assert speculated == plain and drafted > 0
+    for tokens in speculated.values():
+        jsonschema.validate(json.loads(engine.runner.tokenizer.decode(tokens)), PERSON)
