@@ -315,12 +315,12 @@ class Engine:
         text = ""
         for i, token in enumerate(tokens):
             report.generated_tokens += 1
-            so_far = {"text": text, "token_ids": token_ids, "logprobs": logprobs[:i] if logprobs is not None else None}
             problem = self._grammar_problem(r, [token])
             if problem is None and token in self.runner.eos_ids and not r.params.ignore_eos:
                 problem = self._finished_output_problem(r)
-                if problem is None:
-                    return self._end(r, "stop", report, prompt_logprobs=scored, **so_far)
+                if problem is None:  # the tokens before the eos are the last delta's
+                    kept = logprobs[:i] if logprobs is not None else None
+                    return self._end(r, "stop", report, text=text, token_ids=token_ids, logprobs=kept, prompt_logprobs=scored)
             if problem is not None:
                 return self._end(r, "constraint", report, error=problem)
             r.output_ids.append(token)
