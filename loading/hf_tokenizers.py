@@ -15,6 +15,7 @@ tokens. A tokenizer.json's added tokens written in the text are read as those to
 transformers reads them (a rendered chat template's "<|start_header_id|>", ...).
 """
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -126,31 +127,45 @@ class FastTextTokenizer:
     and may hold the template (else chat_template.jinja does)."""
 
     def __init__(self, path: Path) -> None:
-        spec = read_json(path)
+        config_path = path.parent / "tokenizer_config.json"
+        config = read_json(config_path) if config_path.is_file() else {}
+        special_tokens = {name: _special_token(config, name, "") for name in SPECIAL_TOKEN_NAMES if config.get(name)}
+        template_file = path.parent / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # several named templates: transformers' default is "default"
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+        spec = read_json(path)  # CheckpointError for a file that is not JSON
+        self._build(spec, path.read_text(encoding="utf-8"), special_tokens, template, path, template_file if template_file.is_file() else config_path)
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any], special_tokens: dict[str, str], template: str | None, source: Path) -> "FastTextTokenizer":
+        """A tokenizer.json's content that is not a file (a GGUF file's vocabulary: loading/gguf.py),
+        the special tokens' texts by name (bos_token ...) and the chat template; source names it in errors."""
+        tokenizer = cls.__new__(cls)
+        tokenizer._build(spec, json.dumps(spec), special_tokens, template, source, source)
+        return tokenizer
+
+    def _build(
+        self, spec: dict[str, Any], spec_text: str, special_tokens: dict[str, str], template: Any, source: Path, template_source: Path
+    ) -> None:
         try:
-            self.tokenizer = FastTokenizer.from_str(path.read_text(encoding="utf-8"))
+            self.tokenizer = FastTokenizer.from_str(spec_text)
         except Exception as error:  # the library raises plain Exceptions
-            raise CheckpointError(path, f"not a tokenizer ({error})") from None
+            raise CheckpointError(source, f"not a tokenizer ({error})") from None
         decoder = spec.get("decoder") or {}
         decoders = decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []
         self.byte_level = any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in decoders)
         self.byte_of = byte_level_alphabet()
         added = self.tokenizer.get_added_tokens_decoder()
         self.special_ids = {i for i, token in added.items() if token.special}
-        config_path = path.parent / "tokenizer_config.json"
-        config = read_json(config_path) if config_path.is_file() else {}
-        self.special_tokens = {name: _special_token(config, name, "") for name in SPECIAL_TOKEN_NAMES if config.get(name)}
+        self.special_tokens = special_tokens
         self.bos_id = self._bos_id()
         self.add_bos = self.bos_id is not None
-        template_file = path.parent / "chat_template.jinja"
-        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
-        if isinstance(template, list):  # several named templates: transformers' default is "default"
-            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
         self.chat_template: str | None = template if isinstance(template, str) else None
         try:
             self._compiled = None if self.chat_template is None else compile_chat_template(self.chat_template)
         except ChatTemplateError as error:
-            raise CheckpointError(template_file if template_file.is_file() else config_path, str(error)) from None
+            raise CheckpointError(template_source, str(error)) from None
         format = tool_call_format(self.chat_template or "")
         marker_ids = {marker: self.tokenizer.token_to_id(marker) for marker in (MARKERS[format] if format else ())}
         self.tool_markers: dict[str, int] = {marker: i for marker, i in marker_ids.items() if i is not None and i in self.special_ids}

@@ -1,0 +1,340 @@
+"""GGUF files (llama.cpp's format) served as they are downloaded: one file holds the architecture,
+hyperparameters, tokenizer, chat template and weights.
+
+- Architectures: the Llama family (general.architecture llama, mistral, qwen2) as our Generator.
+  llama.cpp's converter interleaves the rotary halves of a llama/mistral file's q and k rows; their
+  rows are put back in the rotate-half order our attention (and transformers) use. qwen2 files keep it.
+- Tensors: Q8_0, Q4_0 and Q4_1 stay in their blocks (model/block_quant.py), read as they lie in the
+  file; F32, F16 and BF16 become float32 layers. q, k and v in one type are stacked as one layer,
+  in several types (a Q4_K_M file's mix) as parts. A file is read through a memory map, a tensor at
+  a time: the peak is the model plus one tensor.
+- Tokenizer: tokenizer.ggml.model "gpt2" (byte-level BPE: tokens, merges, the pre-tokenizer that
+  tokenizer.ggml.pre names), built as a tokenizer.json for the `tokenizers` library; special
+  tokens from token_type (control) and the *_token_id keys; tokenizer.chat_template.
+
+Anything else (another architecture, a tensor type such as Q4_K, a SentencePiece vocabulary, rope
+scaling other than linear, a truncated or foreign file, missing keys) is refused with a
+CheckpointError naming it, at configuration time (inspect_gguf) where it can be told from the header.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from loading.folder_base import CheckpointError
+from loading.hf.load import _parameters_on_meta
+from loading.hf_tokenizers import FastTextTokenizer, byte_level_alphabet
+from model.block_quant import BLOCK, BLOCK_BYTES, BlockEmbedding, BlockLinear, ConcatenatedLinear
+from model.config import GeneratorConfig
+from model.generator import Generator
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+INTERLEAVED_ROPE = ("llama", "mistral")  # llama.cpp's converter permuted their q and k rows
+F32, F16, BF16 = 0, 1, 30  # ggml's type ids
+FLOAT_TYPES = {F32: "F32", F16: "F16", BF16: "BF16"}
+SUPPORTED_TYPES = {**FLOAT_TYPES, 8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+REQUIRED_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id")
+# llama.cpp's pre-tokenizers (tokenizer.ggml.pre) as the regexes it splits text with before BPE.
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+PRE_TOKENIZERS: dict[str, list[str]] = {
+    "default": [GPT2_SPLIT],
+    "gpt-2": [GPT2_SPLIT],
+    "smollm": [r"\p{N}", GPT2_SPLIT],
+    "llama-bpe": [LLAMA3_SPLIT],
+    "llama3": [LLAMA3_SPLIT],
+    "qwen2": [QWEN2_SPLIT],
+}
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A GGUF file's metadata and tensors (memory-mapped by the gguf package's reader)."""
+
+    path: Path
+    reader: Any  # gguf.GGUFReader
+
+    def error(self, problem: str) -> CheckpointError:
+        return CheckpointError(self.path, problem)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise self.error(f"missing metadata key {key}")
+        return value
+
+    @property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))
+
+    def arch(self, key: str, default: Any = None) -> Any:
+        """The architecture's own key (llama.block_count ...)."""
+        return self.get(f"{self.architecture}.{key}", default)
+
+    @cached_property
+    def tensors(self) -> dict[str, Any]:
+        return {t.name: t for t in self.reader.tensors}
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's header read (CheckpointError for a file that is no GGUF, or a truncated one)."""
+    import gguf  # the GGUF package: only where a GGUF file is read
+
+    if not path.is_file():
+        raise CheckpointError(path, "missing")
+    try:
+        return GGUFFile(path, gguf.GGUFReader(path))
+    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as error:
+        raise CheckpointError(path, f"not a readable GGUF file ({' '.join(str(error).split())[:200]})") from None
+
+
+def check_gguf(file: GGUFFile) -> None:
+    """CheckpointError naming the first thing the file holds that the service cannot serve."""
+    if file.architecture not in ARCHITECTURES:
+        raise file.error(f"architecture {file.architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    for key in REQUIRED_TOKENIZER_KEYS:
+        file.require(key)
+    model = file.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise file.error(f"tokenizer.ggml.model {model!r} is not supported; supported: gpt2 (byte-level BPE)")
+    if file.get("tokenizer.ggml.merges") is None:
+        raise file.error("missing metadata key tokenizer.ggml.merges")
+    pre = str(file.get("tokenizer.ggml.pre", "default"))
+    if pre not in PRE_TOKENIZERS:
+        raise file.error(f"tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
+    scaling = file.arch("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise file.error(f"rope scaling {scaling!r} is not supported; supported: none, linear")
+    if "rope_freqs.weight" in file.tensors:
+        raise file.error("rope_freqs.weight (Llama 3.1's rope scaling) is not supported")
+    for tensor in file.reader.tensors:
+        kind = int(tensor.tensor_type)
+        if kind not in SUPPORTED_TYPES:
+            name = getattr(tensor.tensor_type, "name", str(kind))
+            raise file.error(f"tensor {tensor.name} has type {name}; supported: {', '.join(SUPPORTED_TYPES.values())}")
+        if kind not in FLOAT_TYPES and int(tensor.shape[0]) % BLOCK:
+            raise file.error(f"tensor {tensor.name}: {int(tensor.shape[0])} columns, not a multiple of {BLOCK}")
+    for name in ("token_embd.weight", "output_norm.weight"):
+        if name not in file.tensors:
+            raise file.error(f"missing tensor {name}")
+
+
+def inspect_gguf(path: Path) -> GGUFFile:
+    """The file opened and checked: CheckpointError when the service cannot serve it."""
+    file = open_gguf(path)
+    check_gguf(file)
+    return file
+
+
+def read_config(file: GGUFFile) -> GeneratorConfig:
+    """The file's hyperparameters as our GeneratorConfig (absent keys take llama.cpp's defaults)."""
+    a = file.arch
+    d_model, n_heads = int(a("embedding_length") or 0), int(a("attention.head_count") or 0)
+    if not d_model or not n_heads or a("block_count") is None or a("feed_forward_length") is None:
+        raise file.error(f"missing {file.architecture}.embedding_length, block_count, feed_forward_length or attention.head_count")
+    head_dim = int(a("attention.key_length") or d_model // n_heads)
+    rope_dims = int(a("rope.dimension_count") or head_dim)
+    eos = int(file.require("tokenizer.ggml.eos_token_id"))
+    extra_eos = tuple(int(i) for key in ("eot_token_id", "eom_token_id") if (i := file.get(f"tokenizer.ggml.{key}")) is not None and int(i) != eos)
+    token_id: Callable[[str], int] = lambda key: int(file.get(f"tokenizer.ggml.{key}", eos))  # noqa: E731
+    linear = a("rope.scaling.type", "none") == "linear"
+    return GeneratorConfig(
+        vocab_size=len(file.require("tokenizer.ggml.tokens")),
+        d_model=d_model,
+        n_heads=n_heads,
+        d_ff=int(a("feed_forward_length")),
+        dropout=0.0,
+        activation="silu",
+        max_len=int(a("context_length") or 2048),
+        pad_id=token_id("padding_token_id"),
+        unk_id=token_id("unknown_token_id"),
+        bos_id=token_id("bos_token_id"),
+        eos_id=eos,
+        extra_eos_ids=tuple(dict.fromkeys(extra_eos)),
+        norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in file.tensors,
+        n_layers=int(a("block_count")),
+        rotary_fraction=rope_dims / head_dim,
+        rope_base=float(a("rope.freq_base", 10000.0)),
+        rope_scaling="linear" if linear else "default",
+        rope_factor=float(a("rope.scaling.factor", 1.0)) if linear else 1.0,
+        norm="rmsnorm",
+        feed_forward="gated",
+        n_kv_heads=int(a("attention.head_count_kv") or n_heads),
+        head_size=head_dim,
+        qkv_bias="blk.0.attn_q.bias" in file.tensors,
+        out_bias="blk.0.attn_output.bias" in file.tensors,
+        ff_bias=False,
+    )
+
+
+def read_tokenizer(file: GGUFFile) -> FastTextTokenizer:
+    """The file's byte-level BPE vocabulary as a tokenizer.json for the `tokenizers` library."""
+    tokens = [str(t) for t in file.require("tokenizer.ggml.tokens")]
+    types = file.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    alphabet = set(byte_level_alphabet())
+    added = [
+        {"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": kind == TOKEN_CONTROL}
+        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
+        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) or not set(token) <= alphabet
+    ]
+    splits = [{"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False} for regex in PRE_TOKENIZERS[str(file.get("tokenizer.ggml.pre", "default"))]]
+    bos = file.get("tokenizer.ggml.bos_token_id")
+    adds_bos = bos is not None and bool(file.get("tokenizer.ggml.add_bos_token", False))
+    post = None
+    if adds_bos:
+        bos_token = tokens[int(bos)]
+        post = {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos_token, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos_token, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos_token: {"id": bos_token, "ids": [int(bos)], "tokens": [bos_token]}},
+        }
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [*splits, {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "post_processor": post,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {token: i for i, token in enumerate(tokens)},
+            "merges": [str(m) for m in file.require("tokenizer.ggml.merges")],
+        },
+    }
+    special = {name: tokens[int(i)] for name, key in [("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")] if (i := file.get(f"tokenizer.ggml.{key}")) is not None}
+    template = file.get("tokenizer.chat_template")
+    return FastTextTokenizer.from_spec(spec, special, template if isinstance(template, str) else None, file.path)
+
+
+def _array(file: GGUFFile, name: str) -> np.ndarray:
+    tensor = file.tensors.get(name)
+    if tensor is None:
+        raise file.error(f"missing tensor {name}")
+    return tensor.data  # a view of the memory map: (rows, columns) floats, or (rows, row bytes) uint8
+
+
+def _float(file: GGUFFile, name: str) -> Tensor:
+    """A float tensor (F32, F16, BF16) as float32, its shape as the model's (rows first)."""
+    tensor = file.tensors[name]
+    kind = int(tensor.tensor_type)
+    data = np.array(_array(file, name))  # a copy out of the map
+    if kind == BF16:
+        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).float().reshape(*reversed([int(n) for n in tensor.shape]))
+    return torch.from_numpy(data).float().reshape(*reversed([int(n) for n in tensor.shape]))
+
+
+def _rope_rows(n_heads: int, head_dim: int) -> Tensor:
+    """The file's q (or k) rows in rotate-half order: llama.cpp's converter wrote head h's row
+    h D + 2 i + t for our row h D + t D / 2 + i."""
+    return torch.arange(n_heads * head_dim).view(n_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of a linear layer: its rows (in our order) quantized or as float32."""
+
+    kind: int
+    data: Tensor  # (out, row bytes) uint8 blocks, or (out, in) float32
+    bias: Tensor | None
+
+
+def _part(file: GGUFFile, name: str, shape: tuple[int, int], rows: Tensor | None = None) -> Part:
+    """The layer `name`'s weight of `shape` (out, in) and its bias, if the file has one."""
+    tensor = file.tensors.get(f"{name}.weight")
+    if tensor is None:
+        raise file.error(f"missing tensor {name}.weight")
+    found = tuple(int(n) for n in reversed(tensor.shape))
+    if found != shape:
+        raise file.error(f"tensor {name}.weight has shape {found}, expected {shape}")
+    kind = int(tensor.tensor_type)
+    data = _float(file, f"{name}.weight") if kind in FLOAT_TYPES else torch.from_numpy(np.array(_array(file, f"{name}.weight")))
+    bias = _float(file, f"{name}.bias") if f"{name}.bias" in file.tensors else None
+    if rows is not None:
+        data, bias = data[rows].contiguous(), None if bias is None else bias[rows]
+    return Part(kind, data, bias)
+
+
+def _linear(parts: list[Part], in_features: int) -> nn.Module:
+    """One layer of parts stacked by rows: float32 (nn.Linear), one block type, or parts of several."""
+    if len({p.kind for p in parts}) > 1:
+        return ConcatenatedLinear([_linear([p], in_features) for p in parts])
+    biases = [p.bias for p in parts]
+    bias = None if all(b is None for b in biases) else torch.cat([b if b is not None else torch.zeros(len(p.data)) for p, b in zip(parts, biases, strict=True)])
+    data = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
+    if parts[0].kind in BLOCK_BYTES:
+        return BlockLinear(data, parts[0].kind, in_features, bias)
+    layer = nn.Linear(in_features, data.shape[0], bias=bias is not None)
+    layer.weight = nn.Parameter(data, requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias, requires_grad=False)
+    return layer
+
+
+def _norm_weight(file: GGUFFile, name: str) -> nn.Parameter:
+    return nn.Parameter(_float(file, name), requires_grad=False)
+
+
+def load_gguf(path: Path, device: str | torch.device = "cpu") -> tuple[Generator, FastTextTokenizer]:
+    """The file's model in eval mode on device (float32 activations; the quantized weights kept in
+    their blocks) and its tokenizer; CheckpointError when it cannot be served."""
+    file = inspect_gguf(path)
+    config = read_config(file)
+    tokenizer = read_tokenizer(file)
+    with _parameters_on_meta():
+        model = Generator(config)
+    c, permuted = config, file.architecture in INTERLEAVED_ROPE
+    embed, kind = _array(file, "token_embd.weight"), int(file.tensors["token_embd.weight"].tensor_type)
+    found = tuple(int(n) for n in reversed(file.tensors["token_embd.weight"].shape))
+    if found != (c.vocab_size, c.d_model):
+        raise file.error(f"tensor token_embd.weight has shape {found}, expected {(c.vocab_size, c.d_model)}")
+    if kind in BLOCK_BYTES:
+        model.embed = BlockEmbedding(torch.from_numpy(np.array(embed)), kind, c.d_model)  # type: ignore[assignment]
+        model.output_projection = model.embed.as_linear() if c.tie_embeddings else None  # type: ignore[operator]
+    else:
+        model.embed = nn.Embedding.from_pretrained(_float(file, "token_embd.weight"))
+    if not c.tie_embeddings:
+        model.lm_head = _linear([_part(file, "output", (c.vocab_size, c.d_model))], c.d_model)
+    model.final_norm.weight = _norm_weight(file, "output_norm.weight")  # type: ignore[union-attr]
+    q_rows = _rope_rows(c.n_heads, c.head_dim) if permuted else None
+    k_rows = _rope_rows(c.kv_heads, c.head_dim) if permuted else None
+    q, kv = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
+    for i, layer in enumerate(model.layers):
+        blk = f"blk.{i}."
+        attention, ff = layer.self_attn, layer.feed_forward
+        parts = [_part(file, blk + "attn_q", (q, c.d_model), q_rows), _part(file, blk + "attn_k", (kv, c.d_model), k_rows)]
+        attention.qkv_proj = _linear([*parts, _part(file, blk + "attn_v", (kv, c.d_model))], c.d_model)
+        attention.out_proj = _linear([_part(file, blk + "attn_output", (c.d_model, q))], q)
+        ff.fc1 = _linear([_part(file, blk + "ffn_gate", (c.d_ff, c.d_model))], c.d_model)
+        ff.up = _linear([_part(file, blk + "ffn_up", (c.d_ff, c.d_model))], c.d_model)
+        ff.fc2 = _linear([_part(file, blk + "ffn_down", (c.d_model, c.d_ff))], c.d_ff)
+        layer.attn_residual.norm.weight = _norm_weight(file, blk + "attn_norm.weight")
+        layer.ff_residual.norm.weight = _norm_weight(file, blk + "ffn_norm.weight")
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise file.error(f"no tensor for {', '.join(left[:5])}")
+    return model.to(device).eval(), tokenizer

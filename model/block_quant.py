@@ -1,0 +1,212 @@
+"""Weights kept in GGUF's quantized blocks (llama.cpp's Q8_0, Q4_0, Q4_1): 32 weights of a row
+share one fp16 scale (and, Q4_1, an fp16 min), stored with them as in the file:
+
+    Q8_0  34 bytes: d, 32 x int8 q        w = d q             8.5 bits a weight
+    Q4_0  18 bytes: d, 16 bytes of q      w = d (q - 8)       4.5
+    Q4_1  20 bytes: d, m, 16 bytes of q   w = d q + m         5
+
+(a 4-bit block's byte j holds weight j in its low half, weight j + 16 in its high half). A weight
+(out, in) is a uint8 tensor (out, in / 32 * block bytes): the file's bytes, read as they are.
+
+A decode step's few rows go through the C kernel (model/csrc/block_linear.c), which dequantizes each
+block in registers and multiplies it into up to 8 rows at once, float32 activations and sums; more
+rows (a prompt) dequantize a slab of weight rows at a time into float32 and multiply it by torch's
+GEMM. Without the kernels (the GPU, no C compiler) torch dequantizes the weight and multiplies:
+correct, not fast. The kernel's sums run in another order than torch's, so the two paths differ by
+float32 rounding (tests/model/test_block_quant.py bounds it).
+"""
+
+import ctypes
+import functools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model import cpu_kernels
+
+BLOCK = 32  # weights a block
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids (gguf.GGMLQuantizationType)
+BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}
+TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1"}
+# Up to this many rows a call go through the kernel; more dequantize slabs of weight rows for torch's
+# GEMM (on the AMD EPYC, 49,152 x 576 Q8_0: the kernel 6.1 ms at 8 rows, 17.2 at 16, the slabs 15.7 at 16).
+KERNEL_ROWS = 8
+SLAB_FLOATS = 1 << 18  # the weights a slab dequantizes at once (1 MB: an L2 cache's worth)
+
+
+def row_bytes(ggml_type: int, in_features: int) -> int:
+    """Bytes of one weight row of in_features (a multiple of BLOCK) in blocks of ggml_type."""
+    return in_features // BLOCK * BLOCK_BYTES[ggml_type]
+
+
+def _halves(blocks: Tensor, start: int, dtype: torch.dtype) -> Tensor:
+    """(..., bytes) blocks -> (..., 1): the fp16 at byte `start` of each block, in dtype."""
+    return blocks[..., start : start + 2].contiguous().view(torch.float16).to(dtype)
+
+
+def dequantize(blocks: Tensor, ggml_type: int, in_features: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(out, row_bytes) uint8 blocks -> (out, in_features) weights in dtype, by torch (any device)."""
+    out = blocks.shape[0]
+    b = blocks.view(out, in_features // BLOCK, BLOCK_BYTES[ggml_type])  # (out, blocks, bytes)
+    d = _halves(b, 0, dtype)  # (out, blocks, 1)
+    if ggml_type == Q8_0:
+        q = b[..., 2:].contiguous().view(torch.int8).to(dtype)  # (out, blocks, 32)
+        return (q * d).view(out, in_features)
+    nibbles = b[..., 4:] if ggml_type == Q4_1 else b[..., 2:]  # (out, blocks, 16)
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).to(dtype)  # (out, blocks, 32)
+    w = q * d + _halves(b, 2, dtype) if ggml_type == Q4_1 else (q - 8) * d
+    return w.view(out, in_features)
+
+
+def quantize(weight: Tensor, ggml_type: int) -> Tensor:
+    """(out, in) float weights -> (out, row_bytes) uint8 blocks, by the gguf package's quantizers
+    (llama.cpp's reference rounding). in must be a multiple of BLOCK."""
+    import gguf.quants  # the GGUF package: only where weights are quantized
+
+    if weight.shape[-1] % BLOCK:
+        raise ValueError(f"{weight.shape[-1]} input features: not a multiple of {BLOCK}")
+    array = weight.detach().to("cpu", torch.float32).numpy()
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(array, gguf.GGMLQuantizationType(ggml_type))))
+
+
+@functools.cache
+def _kernels() -> tuple[Callable[..., int], Callable[..., int]] | None:
+    """The C kernels block_linear and block_rows, or None (model/cpu_kernels.py)."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    linear = cpu_kernels.load_function("block_linear", ctypes.c_int, [pointer, pointer, pointer, pointer, size, size, size, size])
+    rows = cpu_kernels.load_function("block_rows", ctypes.c_int, [pointer, pointer, size, size, size, pointer])
+    return None if linear is None or rows is None else (linear, rows)
+
+
+def _kernel_applies(x: Tensor, blocks: Tensor) -> bool:
+    return _kernels() is not None and x.device.type == "cpu" and x.dtype == torch.float32 and blocks.device.type == "cpu"
+
+
+def _check(blocks: Tensor, ggml_type: int, in_features: int) -> None:
+    if ggml_type not in BLOCK_BYTES or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError("blocks: (out, row_bytes) contiguous uint8 of Q8_0, Q4_0 or Q4_1")
+    if in_features % BLOCK or blocks.shape[1] != row_bytes(ggml_type, in_features):
+        raise ValueError(f"blocks: {blocks.shape[1]} bytes a row, {in_features} input features of {TYPE_NAMES[ggml_type]}")
+
+
+def dequantize_rows(blocks: Tensor, ggml_type: int, in_features: int, ids: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """The weight rows ids (all, where None) as float32 (n, in_features), written into `out` when
+    given (contiguous, that shape): the C kernel on the CPU, else torch. ids must lie in [0, rows)."""
+    _check(blocks, ggml_type, in_features)
+    kernels = _kernels()
+    if kernels is None or blocks.device.type != "cpu":
+        return dequantize(blocks if ids is None else blocks[ids], ggml_type, in_features)
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < blocks.shape[0]):
+            raise IndexError("dequantize_rows: an id out of range")
+    n = blocks.shape[0] if ids is None else ids.numel()
+    dst = torch.empty(n, in_features) if out is None else out
+    if dst.shape != (n, in_features) or dst.dtype != torch.float32 or not dst.is_contiguous():
+        raise ValueError(f"dequantize_rows: out ({n}, {in_features}) contiguous float32")
+    kernels[1](blocks.data_ptr(), None if ids is None else ids.data_ptr(), n, in_features, ggml_type, dst.data_ptr())
+    return dst
+
+
+def block_product(rows: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int, ggml_type: int) -> Tensor:
+    """rows (N, in) float32 times the weight in blocks (out_features, row_bytes), plus bias: (N, out_features).
+    Up to KERNEL_ROWS rows by the C kernel, more through slabs of dequantized rows and torch's GEMM."""
+    n, in_features = rows.shape
+    _check(blocks, ggml_type, in_features)
+    if blocks.shape[0] != out_features or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features)):
+        raise ValueError("block_linear: blocks (out_features, row_bytes), bias (out_features,) float32")
+    kernels = _kernels()
+    assert kernels is not None, "block_product without its kernel"
+    rows = rows.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    if n > KERNEL_ROWS:
+        slab = max(1, SLAB_FLOATS // in_features)
+        weights = rows.new_empty(slab, in_features)  # one buffer for every slab: a fresh one would fault its pages in each time
+        pieces = []
+        for o in range(0, out_features, slab):
+            k = min(slab, out_features - o)
+            pieces.append(rows @ dequantize_rows(blocks[o : o + k], ggml_type, in_features, out=weights[:k]).T)  # (N, k)
+        y = torch.cat(pieces, dim=1)  # (N, out)
+        return y if bias is None else y + bias
+    y = rows.new_empty(n, out_features)
+    kernels[0](rows.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, in_features, out_features, ggml_type)
+    return y
+
+
+def _product_shape(rows: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int, ggml_type: int) -> Tensor:
+    return rows.new_empty(rows.shape[0], out_features)
+
+
+block_linear = cpu_kernels.register_operator("block_linear", block_product, _product_shape)
+
+
+class BlockLinear(nn.Module):
+    """y = x W^T + b with W (out, in) kept in blocks of a GGUF type (Q8_0, Q4_0, Q4_1). Inference only."""
+
+    blocks: Tensor
+    bias: Tensor | None
+
+    def __init__(self, blocks: Tensor, ggml_type: int, in_features: int, bias: Tensor | None = None) -> None:
+        super().__init__()
+        _check(blocks, ggml_type, in_features)
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, blocks.shape[0]
+
+    @classmethod
+    def quantized(cls, weight: Tensor, bias: Tensor | None, ggml_type: int) -> "BlockLinear":
+        """A float layer's weight (out, in) quantized to ggml_type."""
+        return cls(quantize(weight, ggml_type), ggml_type, weight.shape[1], bias)
+
+    @property
+    def weight(self) -> Tensor:
+        """W (out, in) float32, dequantized (a copy)."""
+        return dequantize_rows(self.blocks, self.ggml_type, self.in_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (..., in). Returns (..., out) in x's dtype."""
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        if _kernel_applies(rows, self.blocks):
+            y = block_linear(rows, self.blocks, self.bias, self.out_features, self.ggml_type)
+        else:
+            weight = dequantize(self.blocks, self.ggml_type, self.in_features, x.dtype)  # (out, in)
+            y = F.linear(rows, weight, None if self.bias is None else self.bias.to(x.dtype))
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={TYPE_NAMES[self.ggml_type]}"
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table (vocab, d) kept in blocks of a GGUF type: a lookup dequantizes its rows."""
+
+    blocks: Tensor
+
+    def __init__(self, blocks: Tensor, ggml_type: int, embedding_dim: int) -> None:
+        super().__init__()
+        _check(blocks, ggml_type, embedding_dim)
+        self.register_buffer("blocks", blocks)
+        self.ggml_type, self.embedding_dim, self.num_embeddings = ggml_type, embedding_dim, blocks.shape[0]
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids (...) -> (..., embedding_dim) float32."""
+        return dequantize_rows(self.blocks, self.ggml_type, self.embedding_dim, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+
+    def as_linear(self) -> BlockLinear:
+        """The tied output projection: the same blocks (no copy) as a BlockLinear (vocab outputs)."""
+        return BlockLinear(self.blocks, self.ggml_type, self.embedding_dim)
+
+
+class ConcatenatedLinear(nn.Module):
+    """Several linear layers over the same input whose outputs are concatenated, for a stacked
+    projection (q, k and v) whose parts a file keeps in different types."""
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
