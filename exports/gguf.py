@@ -14,17 +14,19 @@ converter interleaves them. Norms stay F32; every matrix whose rows are a multip
 import argparse
 import json
 from pathlib import Path
+from typing import cast
 
 import gguf
 import numpy as np
 import torch
 
 from loading.folder import CheckpointError, read_json
-from loading.hf.load import load_hf_folder
 from loading.gguf import PRE_TOKENIZERS
+from loading.hf.load import load_hf_folder
 from loading.hf_tokenizers import FastTextTokenizer
 from model.block_quant import BLOCK
 from model.generator import Generator
+from model.layers import DecoderLayer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 TYPES = {name: gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")}
@@ -109,11 +111,12 @@ def export_gguf(folder: Path, out: Path, type_name: str = "Q8_0") -> Path:
         writer.add_chat_template(tokenizer.chat_template)
     with torch.no_grad():
         _tensor(writer, "token_embd.weight", model.embed.weight, kind)
-        _tensor(writer, "output_norm.weight", model.final_norm.weight, kind)  # type: ignore[union-attr]
+        state = model.state_dict()
+        _tensor(writer, "output_norm.weight", state["final_norm.weight"], kind)
         if model.lm_head is not None:
-            _tensor(writer, "output.weight", model.lm_head.weight, kind)  # type: ignore[union-attr]
-        for i, layer in enumerate(model.layers):
-            blk, attention, ff = f"blk.{i}.", layer.self_attn, layer.feed_forward
+            _tensor(writer, "output.weight", state["lm_head.weight"], kind)
+        for i, layer in enumerate(cast(list[DecoderLayer], model.layers)):
+            blk, attention = f"blk.{i}.", layer.self_attn
             (q, q_bias), (k, k_bias), (v, v_bias) = attention.projection_weights()
             if architecture == "llama":
                 q, k = _interleave(q, c.n_heads), _interleave(k, c.kv_heads)
@@ -125,10 +128,10 @@ def export_gguf(folder: Path, out: Path, type_name: str = "Q8_0") -> Path:
             _tensor(writer, f"{blk}attn_output.weight", attention.out_proj.weight, kind)
             if attention.out_proj.bias is not None:
                 _tensor(writer, f"{blk}attn_output.bias", attention.out_proj.bias, kind)
-            _tensor(writer, f"{blk}attn_norm.weight", layer.attn_residual.norm.weight, kind)
-            _tensor(writer, f"{blk}ffn_norm.weight", layer.ff_residual.norm.weight, kind)
-            for name, linear in (("ffn_gate", ff.fc1), ("ffn_up", ff.up), ("ffn_down", ff.fc2)):
-                _tensor(writer, f"{blk}{name}.weight", linear.weight, kind)
+            ours = {"attn_norm": "attn_residual.norm", "ffn_norm": "ff_residual.norm", "ffn_gate": "feed_forward.fc1"}
+            ours |= {"ffn_up": "feed_forward.up", "ffn_down": "feed_forward.fc2"}
+            for name, module in ours.items():
+                _tensor(writer, f"{blk}{name}.weight", state[f"layers.{i}.{module}.weight"], kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -138,7 +141,9 @@ def export_gguf(folder: Path, out: Path, type_name: str = "Q8_0") -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", type=Path, required=True, help="a Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM folder")
+    parser.add_argument(
+        "--folder", type=Path, required=True, help="a Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM folder"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--type", default="Q8_0", choices=list(TYPES))
     args = parser.parse_args()

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from loading.folder import inspect_folder
+from loading.gguf_load import load_gguf
 from loading.hf.load import load_hf_folder
 from loading.tokenizer import TextTokenizer, Tokenizer
 from model.config import GeneratorConfig, ModelConfig, TranslatorConfig
@@ -69,8 +70,12 @@ def load_native_checkpoint(
 
 def load_checkpoint(directory: Path, device: str | torch.device = "cpu", dtype: WeightType = torch.float32) -> tuple[Model, TextTokenizer]:
     """Our folder or a Hugging Face one (loading.folder.inspect_folder tells which; CheckpointError
-    when neither): the model in eval mode on device, in dtype (or int8 on the CPU), and its tokenizer."""
-    if inspect_folder(directory).hugging_face:
+    when neither) or a GGUF file: the model in eval mode on device, in dtype (or int8 on the CPU), and
+    its tokenizer. A GGUF file's model keeps its file's weight types (dtype is not applied to it)."""
+    info = inspect_folder(directory)
+    if info.gguf:
+        return load_gguf(directory, device)
+    if info.hugging_face:
         return load_hf_folder(directory, device, dtype)
     return load_native_checkpoint(directory, device, dtype)
 

@@ -1,7 +1,7 @@
 """What a checkpoint folder holds, read from its JSON files alone (no tensor library): the service's
 configuration reads it in processes that never load a model.
 
-Two kinds of folder:
+Two kinds of folder, and a GGUF file (loading/gguf.py reads its header):
 - ours (loading.checkpoint): config.json with "architecture" TranslatorConfig or GeneratorConfig;
 - Hugging Face's: config.json with "architectures" naming one that loading/hf/registry.py lists
   (MarianMTModel, GPTNeoXForCausalLM, the Llama family), weights as safetensors (one file or
@@ -15,6 +15,7 @@ from pathlib import Path
 from loading.folder_base import CheckpointError as CheckpointError
 from loading.folder_base import ModelKind as ModelKind
 from loading.folder_base import read_json as read_json
+from loading.gguf import inspect_gguf
 from loading.hf.registry import ADAPTERS, NOT_YET_SUPPORTED
 
 OUR_ARCHITECTURES: dict[str, ModelKind] = {"TranslatorConfig": "translator", "GeneratorConfig": "generator"}
@@ -29,6 +30,7 @@ class FolderInfo:
     hugging_face: bool
     source_lang: str | None = None  # translators only; None when the folder does not say
     target_lang: str | None = None
+    gguf: bool = False  # a GGUF file, not a folder
 
 
 def language_code(code: str) -> str:
@@ -36,8 +38,10 @@ def language_code(code: str) -> str:
 
 
 def inspect_folder(path: Path) -> FolderInfo:
-    """The folder's kind, architecture and (translators) languages; CheckpointError when it is not a
-    folder the service can serve."""
+    """The folder's (or GGUF file's) kind, architecture and (translators) languages; CheckpointError
+    when it is not one the service can serve."""
+    if path.suffix == ".gguf" and not path.is_dir():
+        return FolderInfo("generator", inspect_gguf(path).architecture, hugging_face=False, gguf=True)
     if not path.is_dir():
         raise CheckpointError(path, "not a folder")
     config = read_json(path / "config.json")

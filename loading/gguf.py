@@ -15,6 +15,8 @@ hyperparameters, tokenizer, chat template and weights.
 Anything else (another architecture, a tensor type such as Q4_K, a SentencePiece vocabulary, rope
 scaling other than linear, a truncated or foreign file, missing keys) is refused with a
 CheckpointError naming it, at configuration time (inspect_gguf) where it can be told from the header.
+This module reads the header and imports no tensor library (the service's configuration reads it in
+processes that never load a model); loading/gguf_load.py builds the model.
 """
 
 from collections.abc import Callable
@@ -23,18 +25,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-from torch import Tensor, nn
-
 from loading.folder_base import CheckpointError
-from loading.hf.load import _parameters_on_meta
 from loading.hf_tokenizers import FastTextTokenizer, byte_level_alphabet
-from model.block_quant import BLOCK, BLOCK_BYTES, BlockEmbedding, BlockLinear, ConcatenatedLinear
 from model.config import GeneratorConfig
-from model.generator import Generator
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
+BLOCK = 32  # weights in a block of every quantized type read here (model/block_quant.py)
 INTERLEAVED_ROPE = ("llama", "mistral")  # llama.cpp's converter permuted their q and k rows
 F32, F16, BF16 = 0, 1, 30  # ggml's type ids
 FLOAT_TYPES = {F32: "F32", F16: "F16", BF16: "BF16"}
@@ -43,9 +39,7 @@ TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 REQUIRED_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id")
 # llama.cpp's pre-tokenizers (tokenizer.ggml.pre) as the regexes it splits text with before BPE.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 PRE_TOKENIZERS: dict[str, list[str]] = {
     "default": [GPT2_SPLIT],
@@ -149,7 +143,9 @@ def read_config(file: GGUFFile) -> GeneratorConfig:
     head_dim = int(a("attention.key_length") or d_model // n_heads)
     rope_dims = int(a("rope.dimension_count") or head_dim)
     eos = int(file.require("tokenizer.ggml.eos_token_id"))
-    extra_eos = tuple(int(i) for key in ("eot_token_id", "eom_token_id") if (i := file.get(f"tokenizer.ggml.{key}")) is not None and int(i) != eos)
+    extra_eos = tuple(
+        int(i) for key in ("eot_token_id", "eom_token_id") if (i := file.get(f"tokenizer.ggml.{key}")) is not None and int(i) != eos
+    )
     token_id: Callable[[str], int] = lambda key: int(file.get(f"tokenizer.ggml.{key}", eos))  # noqa: E731
     linear = a("rope.scaling.type", "none") == "linear"
     return GeneratorConfig(
@@ -188,11 +184,22 @@ def read_tokenizer(file: GGUFFile) -> FastTextTokenizer:
     types = file.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     alphabet = set(byte_level_alphabet())
     added = [
-        {"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": kind == TOKEN_CONTROL}
+        {
+            "id": i,
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": kind == TOKEN_CONTROL,
+        }
         for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
         if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) or not set(token) <= alphabet
     ]
-    splits = [{"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False} for regex in PRE_TOKENIZERS[str(file.get("tokenizer.ggml.pre", "default"))]]
+    splits = [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+        for regex in PRE_TOKENIZERS[str(file.get("tokenizer.ggml.pre", "default"))]
+    ]
     bos = file.get("tokenizer.ggml.bos_token_id")
     adds_bos = bos is not None and bool(file.get("tokenizer.ggml.add_bos_token", False))
     post = None
@@ -201,7 +208,11 @@ def read_tokenizer(file: GGUFFile) -> FastTextTokenizer:
         post = {
             "type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": bos_token, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": bos_token, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "pair": [
+                {"SpecialToken": {"id": bos_token, "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
             "special_tokens": {bos_token: {"id": bos_token, "ids": [int(bos)], "tokens": [bos_token]}},
         }
     spec = {
@@ -210,7 +221,10 @@ def read_tokenizer(file: GGUFFile) -> FastTextTokenizer:
         "padding": None,
         "added_tokens": added,
         "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [*splits, {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [*splits, {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}],
+        },
         "post_processor": post,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
@@ -226,115 +240,10 @@ def read_tokenizer(file: GGUFFile) -> FastTextTokenizer:
             "merges": [str(m) for m in file.require("tokenizer.ggml.merges")],
         },
     }
-    special = {name: tokens[int(i)] for name, key in [("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")] if (i := file.get(f"tokenizer.ggml.{key}")) is not None}
+    special = {
+        name: tokens[int(i)]
+        for name, key in [("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")]
+        if (i := file.get(f"tokenizer.ggml.{key}")) is not None
+    }
     template = file.get("tokenizer.chat_template")
     return FastTextTokenizer.from_spec(spec, special, template if isinstance(template, str) else None, file.path)
-
-
-def _array(file: GGUFFile, name: str) -> np.ndarray:
-    tensor = file.tensors.get(name)
-    if tensor is None:
-        raise file.error(f"missing tensor {name}")
-    return tensor.data  # a view of the memory map: (rows, columns) floats, or (rows, row bytes) uint8
-
-
-def _float(file: GGUFFile, name: str) -> Tensor:
-    """A float tensor (F32, F16, BF16) as float32, its shape as the model's (rows first)."""
-    tensor = file.tensors[name]
-    kind = int(tensor.tensor_type)
-    data = np.array(_array(file, name))  # a copy out of the map
-    if kind == BF16:
-        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).float().reshape(*reversed([int(n) for n in tensor.shape]))
-    return torch.from_numpy(data).float().reshape(*reversed([int(n) for n in tensor.shape]))
-
-
-def _rope_rows(n_heads: int, head_dim: int) -> Tensor:
-    """The file's q (or k) rows in rotate-half order: llama.cpp's converter wrote head h's row
-    h D + 2 i + t for our row h D + t D / 2 + i."""
-    return torch.arange(n_heads * head_dim).view(n_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
-
-
-@dataclass(frozen=True)
-class Part:
-    """One tensor of a linear layer: its rows (in our order) quantized or as float32."""
-
-    kind: int
-    data: Tensor  # (out, row bytes) uint8 blocks, or (out, in) float32
-    bias: Tensor | None
-
-
-def _part(file: GGUFFile, name: str, shape: tuple[int, int], rows: Tensor | None = None) -> Part:
-    """The layer `name`'s weight of `shape` (out, in) and its bias, if the file has one."""
-    tensor = file.tensors.get(f"{name}.weight")
-    if tensor is None:
-        raise file.error(f"missing tensor {name}.weight")
-    found = tuple(int(n) for n in reversed(tensor.shape))
-    if found != shape:
-        raise file.error(f"tensor {name}.weight has shape {found}, expected {shape}")
-    kind = int(tensor.tensor_type)
-    data = _float(file, f"{name}.weight") if kind in FLOAT_TYPES else torch.from_numpy(np.array(_array(file, f"{name}.weight")))
-    bias = _float(file, f"{name}.bias") if f"{name}.bias" in file.tensors else None
-    if rows is not None:
-        data, bias = data[rows].contiguous(), None if bias is None else bias[rows]
-    return Part(kind, data, bias)
-
-
-def _linear(parts: list[Part], in_features: int) -> nn.Module:
-    """One layer of parts stacked by rows: float32 (nn.Linear), one block type, or parts of several."""
-    if len({p.kind for p in parts}) > 1:
-        return ConcatenatedLinear([_linear([p], in_features) for p in parts])
-    biases = [p.bias for p in parts]
-    bias = None if all(b is None for b in biases) else torch.cat([b if b is not None else torch.zeros(len(p.data)) for p, b in zip(parts, biases, strict=True)])
-    data = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
-    if parts[0].kind in BLOCK_BYTES:
-        return BlockLinear(data, parts[0].kind, in_features, bias)
-    layer = nn.Linear(in_features, data.shape[0], bias=bias is not None)
-    layer.weight = nn.Parameter(data, requires_grad=False)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias, requires_grad=False)
-    return layer
-
-
-def _norm_weight(file: GGUFFile, name: str) -> nn.Parameter:
-    return nn.Parameter(_float(file, name), requires_grad=False)
-
-
-def load_gguf(path: Path, device: str | torch.device = "cpu") -> tuple[Generator, FastTextTokenizer]:
-    """The file's model in eval mode on device (float32 activations; the quantized weights kept in
-    their blocks) and its tokenizer; CheckpointError when it cannot be served."""
-    file = inspect_gguf(path)
-    config = read_config(file)
-    tokenizer = read_tokenizer(file)
-    with _parameters_on_meta():
-        model = Generator(config)
-    c, permuted = config, file.architecture in INTERLEAVED_ROPE
-    embed, kind = _array(file, "token_embd.weight"), int(file.tensors["token_embd.weight"].tensor_type)
-    found = tuple(int(n) for n in reversed(file.tensors["token_embd.weight"].shape))
-    if found != (c.vocab_size, c.d_model):
-        raise file.error(f"tensor token_embd.weight has shape {found}, expected {(c.vocab_size, c.d_model)}")
-    if kind in BLOCK_BYTES:
-        model.embed = BlockEmbedding(torch.from_numpy(np.array(embed)), kind, c.d_model)  # type: ignore[assignment]
-        model.output_projection = model.embed.as_linear() if c.tie_embeddings else None  # type: ignore[operator]
-    else:
-        model.embed = nn.Embedding.from_pretrained(_float(file, "token_embd.weight"))
-    if not c.tie_embeddings:
-        model.lm_head = _linear([_part(file, "output", (c.vocab_size, c.d_model))], c.d_model)
-    model.final_norm.weight = _norm_weight(file, "output_norm.weight")  # type: ignore[union-attr]
-    q_rows = _rope_rows(c.n_heads, c.head_dim) if permuted else None
-    k_rows = _rope_rows(c.kv_heads, c.head_dim) if permuted else None
-    q, kv = c.n_heads * c.head_dim, c.kv_heads * c.head_dim
-    for i, layer in enumerate(model.layers):
-        blk = f"blk.{i}."
-        attention, ff = layer.self_attn, layer.feed_forward
-        parts = [_part(file, blk + "attn_q", (q, c.d_model), q_rows), _part(file, blk + "attn_k", (kv, c.d_model), k_rows)]
-        attention.qkv_proj = _linear([*parts, _part(file, blk + "attn_v", (kv, c.d_model))], c.d_model)
-        attention.out_proj = _linear([_part(file, blk + "attn_output", (c.d_model, q))], q)
-        ff.fc1 = _linear([_part(file, blk + "ffn_gate", (c.d_ff, c.d_model))], c.d_model)
-        ff.up = _linear([_part(file, blk + "ffn_up", (c.d_ff, c.d_model))], c.d_model)
-        ff.fc2 = _linear([_part(file, blk + "ffn_down", (c.d_model, c.d_ff))], c.d_ff)
-        layer.attn_residual.norm.weight = _norm_weight(file, blk + "attn_norm.weight")
-        layer.ff_residual.norm.weight = _norm_weight(file, blk + "ffn_norm.weight")
-    left = [name for name, p in model.named_parameters() if p.is_meta]
-    if left:
-        raise file.error(f"no tensor for {', '.join(left[:5])}")
-    return model.to(device).eval(), tokenizer

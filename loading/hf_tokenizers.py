@@ -135,7 +135,14 @@ class FastTextTokenizer:
         if isinstance(template, list):  # several named templates: transformers' default is "default"
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
         spec = read_json(path)  # CheckpointError for a file that is not JSON
-        self._build(spec, path.read_text(encoding="utf-8"), special_tokens, template, path, template_file if template_file.is_file() else config_path)
+        self._build(
+            spec,
+            path.read_text(encoding="utf-8"),
+            special_tokens,
+            template,
+            path,
+            template_file if template_file.is_file() else config_path,
+        )
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any], special_tokens: dict[str, str], template: str | None, source: Path) -> "FastTextTokenizer":

@@ -101,7 +101,7 @@ def dequantize_rows(blocks: Tensor, ggml_type: int, in_features: int, ids: Tenso
         return dequantize(blocks if ids is None else blocks[ids], ggml_type, in_features)
     if ids is not None:
         ids = ids.to(torch.int64).contiguous()
-        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < blocks.shape[0]):
+        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < blocks.shape[0]):
             raise IndexError("dequantize_rows: an id out of range")
     n = blocks.shape[0] if ids is None else ids.numel()
     dst = torch.empty(n, in_features) if out is None else out
@@ -132,7 +132,9 @@ def block_product(rows: Tensor, blocks: Tensor, bias: Tensor | None, out_feature
         y = torch.cat(pieces, dim=1)  # (N, out)
         return y if bias is None else y + bias
     y = rows.new_empty(n, out_features)
-    kernels[0](rows.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, in_features, out_features, ggml_type)
+    kernels[0](
+        rows.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, in_features, out_features, ggml_type
+    )
     return y
 
 

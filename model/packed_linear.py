@@ -197,12 +197,13 @@ packed_linear = cpu_kernels.register_operator("packed_linear", packed_product, _
 
 def pack_linear_layers(model: Translator | Generator) -> None:
     """Replaces, in place, every nn.Linear of a float32 CPU model in eval mode (an untied lm_head
-    among them) by a PackedLinear, and gives a tied model a packed output projection (copies of the
+    among them; layers of other kinds stay) by a PackedLinear, and gives a tied model without an
+    output projection a packed one (copies of the
     embedding table: the two no longer share memory, so the packed model is for inference only)."""
     parameter = next(model.parameters())
     assert parameter.device.type == "cpu" and parameter.dtype == torch.float32, "packing is for float32 weights on the CPU"
     assert packing_available(), "this torch build has no oneDNN"
     replace_linear_layers(model, lambda linear: PackedLinear(linear.weight, linear.bias))
-    if model.lm_head is None:
+    if model.lm_head is None and model.output_projection is None:  # a GGUF file's may be in blocks already
         model.output_projection = PackedLinear(model.embed.weight, None)
     model.eval()

@@ -1,0 +1,264 @@
+"""GGUF files served as they are: Llama-family folders (tests/hf_folders.py) written by exports.gguf
+in each supported type load into our Generator with the logits and greedy outputs transformers
+gives for the same file (`gguf_file=`, which dequantizes it), the folder tokenizer's ids, their
+matrices kept in blocks; the block kernels compute what the gguf package's dequantizer says; files
+the service cannot serve are refused with one line naming the problem."""
+
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from decoding.sampling_params import GREEDY
+from exports.gguf import export_gguf
+from loading.checkpoint import load_checkpoint
+from loading.folder import CheckpointError, inspect_folder
+from loading.gguf_load import load_gguf
+from loading.hf.load import load_hf_folder
+from model import block_quant
+from model.block_quant import BLOCK_BYTES, BlockEmbedding, BlockLinear, ConcatenatedLinear, block_product, dequantize, dequantize_rows
+from model.generator import Generator
+from model.packed_linear import pack_linear_layers, packing_available
+from service.config import ModelServingConfig
+from service.engine.offline import OfflineEngine
+from service.engine.request import GenerationParams
+from tests.hf_folders import build_llama_folder, shakespeare_lines
+
+TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"]
+QUANTIZED = {"Q8_0": block_quant.Q8_0, "Q4_0": block_quant.Q4_0, "Q4_1": block_quant.Q4_1}
+NEW_TOKENS = 16
+TEXTS = [
+    "To be, or not to be: that is the question.",
+    "ROMEO:\nWhat light through yonder window 1234 breaks?",
+    "Café déjà vu 🙂 <|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-folders")
+    return {
+        "llama": build_llama_folder(root / "llama"),  # untied, bos, interleaved q/k rows in the file
+        "qwen2": build_llama_folder(root / "qwen2", architecture="qwen2", tie=True),  # q/k/v biases, tied, no bos
+    }
+
+
+@pytest.fixture(scope="module")
+def files(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("gguf-files")
+    return {(name, kind): export_gguf(folder, root / f"{name}-{kind}.gguf", kind) for name, folder in folders.items() for kind in TYPES}
+
+
+def transformers_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_gguf_logits_and_greedy_outputs_equal_transformers_on_the_same_file(
+    files: dict[tuple[str, str], Path], folders: dict[str, Path], name: str, kind: str
+) -> None:
+    path = files[name, kind]
+    model, tokenizer = load_gguf(path)
+    _, folder_tokenizer = load_hf_folder(folders[name])
+    reference = transformers_model(path)
+    prompts = [tokenizer.encode_prompt(text) for text in TEXTS]
+    assert prompts == [folder_tokenizer.encode_prompt(text) for text in TEXTS]
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            torch.testing.assert_close(model(ids), reference(ids).logits, atol=1e-4, rtol=1e-4)
+    engine = OfflineEngine(model, tokenizer, n_slots=4)
+    outputs = engine.generate(prompts, GenerationParams(max_tokens=NEW_TOKENS, sampling=GREEDY))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt) :].tolist()
+        assert output.token_ids == [t for t in expected if t != reference.generation_config.eos_token_id][: len(output.token_ids)]
+        assert len(output.token_ids) == NEW_TOKENS or expected[len(output.token_ids)] in (model.config.eos_id, *model.config.extra_eos_ids)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_quantized_matrices_stay_in_their_blocks_at_the_files_size(files: dict[tuple[str, str], Path], kind: str) -> None:
+    path = files["qwen2", kind]
+    model, _ = load_gguf(path)
+    assert isinstance(model.embed, BlockEmbedding) and isinstance(model.output_projection, BlockLinear)
+    assert model.output_projection.blocks.data_ptr() == model.embed.blocks.data_ptr()  # tied: one table
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert len(layers) == 1 + 5 * model.config.n_layers and all(layer.ggml_type == QUANTIZED[kind] for layer in layers)
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.buffers(), *model.parameters()]}
+    assert sum(held.values()) <= 1.1 * path.stat().st_size
+    if packing_available():  # the engine packs the float layers; the blocks and the tied projection stay
+        pack_linear_layers(model)
+        assert isinstance(model.output_projection, BlockLinear)
+
+
+def test_a_file_mixing_types_keeps_each_tensor_in_its_own(folders: dict[str, Path], tmp_path: Path) -> None:
+    """A Q4_K_M-like mix: v in Q8_0 beside q and k in Q4_0 makes the qkv projection of parts."""
+    path = export_gguf(folders["llama"], tmp_path / "mixed.gguf", "Q4_0")
+    mixed = tmp_path / "mixed-v.gguf"
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(mixed), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value_type = field.types[0]
+        if value_type == gguf.GGUFValueType.ARRAY:
+            writer.add_array(field.name, field.contents())
+        else:
+            writer.add_key_value(field.name, field.contents(), value_type)
+    reference, _ = load_gguf(path)
+    for tensor in reader.tensors:
+        if tensor.name.endswith("attn_v.weight"):
+            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            writer.add_tensor(
+                tensor.name, gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0), raw_dtype=gguf.GGMLQuantizationType.Q8_0
+            )
+        else:
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model, _ = load_gguf(mixed)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, ConcatenatedLinear) and [p.ggml_type for p in qkv.parts] == [
+        block_quant.Q4_0,
+        block_quant.Q4_0,
+        block_quant.Q8_0,
+    ]
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    with torch.no_grad():
+        assert (model(ids) - reference(ids)).abs().max() < 0.5  # only v's rounding differs
+        torch.testing.assert_close(model(ids), transformers_model(mixed)(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ggml_type", [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1])
+def test_block_kernels_compute_what_the_gguf_dequantizer_says(ggml_type: int) -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, 96) * torch.rand(200, 1), torch.randn(200)
+    blocks = block_quant.quantize(weight, ggml_type)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(ggml_type)).astype(np.float32))
+    assert torch.equal(dequantize(blocks, ggml_type, 96), reference)
+    assert torch.equal(dequantize_rows(blocks, ggml_type, 96), reference)
+    ids = torch.tensor([5, 0, 199, 5])
+    assert torch.equal(dequantize_rows(blocks, ggml_type, 96, ids), reference[ids])
+    with pytest.raises(IndexError):
+        dequantize_rows(blocks, ggml_type, 96, torch.tensor([200]))
+    if block_quant._kernels() is None:
+        pytest.skip("the C kernels are off here")
+    for rows in [1, 2, 3, 7, 8, 9, 16, 17, 40]:  # every row group's size, and the slabs past KERNEL_ROWS
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(block_product(x, blocks, bias, 200, ggml_type), x @ reference.T + bias, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(block_product(x, blocks, None, 200, ggml_type), x @ reference.T, atol=1e-4, rtol=1e-4)
+
+
+def test_block_linear_without_the_kernel_multiplies_the_dequantized_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = BlockLinear.quantized(torch.randn(64, 64), torch.randn(64), block_quant.Q4_1)
+    x = torch.randn(2, 3, 64)
+    with_kernel = layer(x)
+    monkeypatch.setattr(block_quant, "_kernel_applies", lambda *_: False)
+    plain = F.linear(x, dequantize(layer.blocks, block_quant.Q4_1, 64), layer.bias)
+    torch.testing.assert_close(layer(x), plain)
+    torch.testing.assert_close(with_kernel, plain, atol=1e-4, rtol=1e-4)
+
+
+def test_block_product_checks_its_arguments() -> None:
+    blocks = block_quant.quantize(torch.randn(32, 64), block_quant.Q8_0)
+    with pytest.raises(ValueError, match="bytes a row"):
+        block_product(torch.randn(1, 96), blocks, None, 32, block_quant.Q8_0)
+    with pytest.raises(ValueError, match="Q8_0, Q4_0 or Q4_1"):
+        block_product(torch.randn(1, 64), blocks, None, 32, 12)
+    with pytest.raises(ValueError, match="bias"):
+        block_product(torch.randn(1, 64), blocks, torch.zeros(31), 32, block_quant.Q8_0)
+    assert BLOCK_BYTES[block_quant.Q8_0] * 2 == blocks.shape[1]
+
+
+def test_the_gguf_tokenizer_gives_the_folders_ids_and_pieces(files: dict[tuple[str, str], Path], folders: dict[str, Path]) -> None:
+    for name in folders:
+        _, ours = load_gguf(files[name, "Q8_0"])
+        _, theirs = load_hf_folder(folders[name])
+        texts = [*TEXTS, *shakespeare_lines()[:200]]
+        assert [ours.encode(t) for t in texts] == [theirs.encode(t) for t in texts]
+        assert [ours.encode_prompt(t) for t in texts[:3]] == [theirs.encode_prompt(t) for t in texts[:3]]
+        ids = ours.encode(TEXTS[2])
+        assert b"".join(ours.piece_bytes(i) for i in ids) == b"".join(theirs.piece_bytes(i) for i in ids)
+        assert ours.decode(ids) == theirs.decode(ids)
+        assert ours.chat_template == theirs.chat_template and ours.special_ids == theirs.special_ids
+
+
+def test_a_gguf_file_is_a_model_source_for_the_service(files: dict[tuple[str, str], Path]) -> None:
+    path = files["llama", "Q4_1"]
+    entry = ModelServingConfig(name="tiny", checkpoint=path)
+    assert entry.kind == "generator" and inspect_folder(path).gguf
+    model, _ = load_checkpoint(path)
+    assert isinstance(model, Generator) and any(isinstance(m, BlockLinear) for m in model.modules())
+
+
+def _one_line(path: Path) -> str:
+    with pytest.raises(CheckpointError) as error:
+        inspect_folder(path)
+    message = str(error.value)
+    assert "\n" not in message and str(path) in message
+    return message
+
+
+def _rewritten(
+    source: Path, out: Path, drop: frozenset[str] = frozenset(), architecture: str = "llama", extra_tensor: tuple[str, int] | None = None
+) -> Path:
+    """source written again without the keys `drop`, under `architecture`, with an extra tensor of a type."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(out), architecture)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in drop:
+            continue
+        name = field.name.replace("llama.", f"{architecture}.", 1)
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        else:
+            writer.add_key_value(name, field.contents(), field.types[0])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    if extra_tensor is not None:
+        name, ggml_type = extra_tensor
+        size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+        writer.add_tensor(name, np.zeros((4, 256 // size * block_bytes), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType(ggml_type))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_files_the_service_cannot_serve_are_refused_with_one_line_naming_the_problem(
+    files: dict[tuple[str, str], Path], tmp_path: Path
+) -> None:
+    good = files["llama", "Q8_0"]
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) // 2])
+    assert "not a readable GGUF file" in _one_line(truncated)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:200])
+    assert "not a readable GGUF file" in _one_line(header_only)
+    magic = tmp_path / "magic.gguf"
+    magic.write_bytes(b"GGML" + data[4:])
+    assert "not a readable GGUF file" in _one_line(magic)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(struct.pack("<I", 0x46554747))
+    assert "not a readable GGUF file" in _one_line(empty)
+    assert "missing" in _one_line(tmp_path / "absent.gguf")
+    q4_k = _rewritten(good, tmp_path / "q4k.gguf", extra_tensor=("blk.0.extra.weight", gguf.GGMLQuantizationType.Q4_K))
+    assert "blk.0.extra.weight has type Q4_K" in _one_line(q4_k)
+    for key in ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.model"]:
+        assert key in _one_line(_rewritten(good, tmp_path / "no-key.gguf", drop=frozenset({key})))
+    assert "architecture 'gpt2'" in _one_line(_rewritten(good, tmp_path / "gpt2.gguf", architecture="gpt2"))
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        ModelServingConfig(name="broken", checkpoint=truncated)
+    # a hyperparameter missing: caught when the model is built
+    unsized = _rewritten(good, tmp_path / "unsized.gguf", drop=frozenset({"llama.feed_forward_length"}))
+    with pytest.raises(CheckpointError, match="feed_forward_length"):
+        load_gguf(unsized)
