@@ -59,8 +59,8 @@ def load_config(directory: Path) -> ModelConfig:
 def load_native_checkpoint(
     directory: Path, device: str | torch.device = "cpu", dtype: WeightType = torch.float32
 ) -> tuple[Model, Tokenizer]:
-    """One of our folders: the model in eval mode on device, in dtype (or with int8 weights, on the
-    CPU), and its sentencepiece tokenizer."""
+    """One of our folders: the model in eval mode on device, in dtype (or with quantized weights),
+    and its sentencepiece tokenizer."""
     model = build_model(load_config(directory))
     state = load_file(str(directory / "model.safetensors"))
     model.load_state_dict({k: v.float() for k, v in state.items()})
@@ -70,8 +70,8 @@ def load_native_checkpoint(
 
 def load_checkpoint(directory: Path, device: str | torch.device = "cpu", dtype: WeightType = torch.float32) -> tuple[Model, TextTokenizer]:
     """Our folder or a Hugging Face one (loading.folder.inspect_folder tells which; CheckpointError
-    when neither) or a GGUF file: the model in eval mode on device, in dtype (or int8 on the CPU), and
-    its tokenizer. A GGUF file's model keeps its file's weight types (dtype is not applied to it)."""
+    when neither) or a GGUF file: the model in eval mode on device, in dtype (or quantized), and its
+    tokenizer. A GGUF file's model keeps its file's weight types (dtype is not applied to it)."""
     info = inspect_folder(directory)
     if info.gguf:
         return load_gguf(directory, device)

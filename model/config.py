@@ -10,6 +10,7 @@ SinusoidLayout = Literal["interleaved", "halves"]  # sin/cos at dims 2i/2i+1 (th
 Norm = Literal["layernorm", "rmsnorm"]  # RMSNorm (Llama): no mean subtracted, no bias
 FeedForwardKind = Literal["mlp", "gated"]  # fc2(act(fc1 x)), or fc2(act(fc1 x) * up(x)): SwiGLU with silu (Llama)
 RopeScaling = Literal["default", "linear", "llama3"]  # transformers' rope_type: how inv_freq is rescaled
+Quantization = Literal["int8", "q8_0", "q4_0", "q4_1"]  # linear layers in GGUF block types at load (model/quantize.py)
 # Fields added after the shipped checkpoints were written: config.json holds them only when set, so
 # that rewriting an earlier config (averaging, continued training) gives the same file.
 LATER_FIELDS = frozenset(

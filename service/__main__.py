@@ -4,8 +4,9 @@
     python -m service --model opus=/models/opus-mt-en-fr --model pythia=/models/pythia-70m
 
 `--model NAME=PATH` (repeatable; `--model PATH` names it after its folder) serves exactly those
-folders: ours (model/checkpoints) or Hugging Face's (MarianMT, GPT-NeoX). A folder that cannot be
-served stops the command with one line naming the file and the problem.
+folders: ours (model/checkpoints) or Hugging Face's (MarianMT, GPT-NeoX, the Llama family), or GGUF
+files (`--model NAME=FILE.gguf`). A folder or file that cannot be served stops the command with one
+line naming the file and the problem.
 
 Listens on 127.0.0.1:8000 and exports metrics on 127.0.0.1:8080 unless told otherwise. API keys,
 if any, come from the environment variable SERVING_API_KEYS (comma-separated), read at startup.
@@ -23,10 +24,11 @@ import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
+from model.config import Quantization
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig
 
@@ -48,6 +50,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="concurrent sequences per replica (default: 64 translators; 256 generators, the KV pool deciding)",
     )
     parser.add_argument("--torch-threads", type=int, default=None, help="CPU threads per replica")
+    parser.add_argument(
+        "--quantization",
+        choices=get_args(Quantization),
+        default=None,
+        help="linear layers quantized at load into GGUF's block types (int8 = q8_0; a GGUF file keeps its own)",
+    )
     parser.add_argument(
         "--compiled-decode",
         type=batch_sizes,
@@ -145,6 +153,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             sizes = tuple(b for b in args.compiled_decode if b <= engine.n_slots)
             engine = replace(engine, compiled_decode=sizes, compile_in_background=True)
         update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}
+        if args.quantization is not None and model.checkpoint.suffix != ".gguf":
+            update["quantization"] = args.quantization
         return model.model_copy(update=update)
 
     return ServiceConfig(cors_origins=args.cors_origin, models=tuple(configured(m) for m in models))

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from loading.folder import CheckpointError, ModelKind, inspect_folder
+from model.config import Quantization
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, DEFAULT_TRANSLATOR_FR
 from service.engine.config import EngineConfig
 
@@ -66,8 +67,10 @@ class ModelServingConfig(BaseModel):
     source_lang: str | None = None  # translators: the languages they translate from and into
     target_lang: str | None = None
     device: str = "auto"  # "auto": cuda when the replica has a GPU, else cpu
-    # "auto": bfloat16 on cuda, float32 on cpu; "int8": int8 linear layers on the CPU (model/quantize.py)
-    dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # "auto": bfloat16 on cuda, float32 on cpu
+    # Linear layers quantized at load into GGUF's blocks (model/quantize.py): int8 (= q8_0), q8_0, q4_0, q4_1.
+    # A GGUF file keeps its own types.
+    quantization: Quantization | None = None
     engine: EngineConfig = EngineConfig()
     # Serve's options for this model's deployment, with the names and meanings of Serve's deployment
     # schema (num_replicas, autoscaling_config, ray_actor_options, max_queued_requests, health
@@ -99,6 +102,12 @@ class ModelServingConfig(BaseModel):
         if filled["kind"] == "translator" and not (filled["source_lang"] and filled["target_lang"]):
             raise ValueError(f"{data['checkpoint']}: the folder names no source_lang and target_lang; set them in the model's entry")
         return filled
+
+    @model_validator(mode="after")
+    def _quantization_of_a_folder(self) -> "ModelServingConfig":
+        if self.quantization is not None and self.checkpoint.suffix == ".gguf":
+            raise ValueError(f"{self.checkpoint}: a GGUF file keeps its own weight types; leave quantization out")
+        return self
 
     @field_validator("deployment")
     @classmethod

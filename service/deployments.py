@@ -52,11 +52,9 @@ log = logging.getLogger("ray.serve")  # Serve writes it to the replica logs
 
 def resolve_device(config: ModelServingConfig) -> tuple[str, WeightType]:
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if config.quantization is not None:
+        return device, config.quantization
     dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    if dtype_name == "int8":
-        if device != "cpu":
-            raise ValueError("dtype int8 runs on the CPU only (model/quantize.py); use bfloat16 or float16 on a GPU")
-        return device, "int8"
     return device, getattr(torch, dtype_name)
 
 

@@ -1,9 +1,9 @@
 """Evaluation CLI. The last line printed is one JSON object.
 
-python -m training.evaluate translate --src FILE --ref FILE [--checkpoint DIR] [--beam-size N] [--weights int8] [--json FILE]
+python -m training.evaluate translate --src FILE --ref FILE [--checkpoint DIR] [--beam-size N] [--weights int8|q4_0|...] [--json FILE]
     (sacreBLEU as reported, cased and detokenized with 13a, and lowercased with 13a as Multi30k papers report it;
     translated by the serving engine, in-process: service/engine/offline.py)
-python -m training.evaluate lm --text FILE [--checkpoint DIR] [--weights int8]
+python -m training.evaluate lm --text FILE [--checkpoint DIR] [--weights int8|q4_0|...]
 python -m training.evaluate generator-validation [--data DIR] [--also FILE] [--json FILE] CHECKPOINT_OR_RUN...
 python -m training.evaluate generator-snapshots [--json FILE] RUN
 
@@ -21,13 +21,14 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from sacrebleu.metrics.bleu import BLEU
 
 from decoding.sampling_params import GREEDY
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint, load_native_checkpoint
+from model.config import Quantization
 from model.generator import Generator
 from model.translator import Translator
 from service.engine.offline import OfflineEngine
@@ -37,7 +38,7 @@ from training.lm_scoring import halves_nats_per_char, nats_per_char
 
 
 def weight_type(args: argparse.Namespace) -> WeightType:
-    return "int8" if args.weights == "int8" else torch.float32
+    return torch.float32 if args.weights == "float32" else args.weights
 
 
 def evaluate_translation(args: argparse.Namespace) -> dict[str, object]:
@@ -154,7 +155,9 @@ def main() -> None:
     lm.add_argument("--text", required=True)
     lm.add_argument("--checkpoint", default=None)
     for sub in (translate, lm):
-        sub.add_argument("--weights", choices=["float32", "int8"], default="float32", help="int8: quantised linear layers (CPU)")
+        sub.add_argument(
+            "--weights", choices=["float32", *get_args(Quantization)], default="float32", help="quantized linear layers (model/quantize.py)"
+        )
     validation = commands.add_parser("generator-validation", help="generators on the two halves of the held-out plays")
     validation.add_argument("checkpoints", nargs="+", help="checkpoint folders, or run folders (their step-NNNNNN snapshots)")
     validation.add_argument("--data", default=str(SHARED_DATA), help="folder holding tinyshakespeare/train.txt")

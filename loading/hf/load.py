@@ -170,7 +170,7 @@ def _parameters_on_meta() -> Iterator[None]:
 def load_hf_folder(
     folder: Path, device: str | torch.device = "cpu", dtype: WeightType = torch.float32
 ) -> tuple[Translator | Generator, TextTokenizer]:
-    """The folder's model in eval mode on device, in dtype (or with int8 weights, on the CPU), and its
+    """The folder's model in eval mode on device, in dtype (or with quantized weights), and its
     tokenizer; CheckpointError when it cannot be served."""
     info = inspect_folder(folder)
     if not info.hugging_face:
@@ -185,7 +185,7 @@ def load_hf_folder(
         model = Translator(config) if isinstance(config, TranslatorConfig) else Generator(config)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
     weights = _plan(adapter.table, config, files, source, shapes)
-    placed = torch.float32 if dtype == "int8" else dtype
+    placed = dtype if isinstance(dtype, torch.dtype) else torch.float32  # quantized from float32
     state = {name: torch.empty(shape, dtype=placed, device=device) for name, shape in shapes.items()}
     with torch.no_grad():
         for file in files:
@@ -193,5 +193,5 @@ def load_hf_folder(
                 weight = weights[name]
                 _fill(state[weight.ours][weight.rows], file, name, weight)
     model.load_state_dict(state, assign=True)
-    place(model, device, dtype)  # the buffers: to device, in dtype; int8: quantised
+    place(model, device, dtype)  # the buffers: to device, in dtype; or quantized
     return model, tokenizer

@@ -20,7 +20,7 @@ from loading.checkpoint import DEFAULT_GENERATOR
 from model.config import GeneratorConfig, TranslatorConfig
 from model.generator import Generator
 from model.packed_linear import pack_linear_layers, packing_available
-from model.quantize import quantize_int8
+from model.quantize import quantize_weights
 from model.translator import Translator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
@@ -307,7 +307,7 @@ def test_packed_and_int8_models_keep_the_untied_head_and_logits_bias_in_the_engi
     """The fast paths convert the untied output projection and keep the logits bias: their logits
     stay close to float32's, and the engine's greedy, grouped beam (each sentence's 4 rows reading
     its source once) and fixed-shape steps with them equal the plain paths on the same converted model."""
-    convert = pack_linear_layers if fast_path == "packed" else quantize_int8
+    convert = pack_linear_layers if fast_path == "packed" else quantize_weights
     tolerance = 1e-5 if fast_path == "packed" else 0.05  # int8: measured 0.016 (translator) and 0.031
     plain, fast = translator(), translator()
     convert(fast)

@@ -21,7 +21,7 @@ from model.config import GeneratorConfig
 from model.generator import Generator
 from model.kv_cache import PagedKVCache
 from model.packed_linear import pack_linear_layers, packing_available
-from model.quantize import quantize_int8
+from model.quantize import quantize_weights
 from tests.hf_folders import EOS, EOT, build_llama_folder, one_line_error, shakespeare_lines
 from tests.model.test_hf_folders import assert_export_after_load_gives_the_folders_tensors, in_bfloat16, tokenizer_texts
 from tests.model.test_models import paged_logits
@@ -164,7 +164,7 @@ def test_explicit_attention_packed_and_int8_weights(folders: dict[str, Path], va
         for layer in model.layers:
             layer.self_attn.use_sdpa = False
         assert (model(ids) - fused).abs().max() <= ATOL
-        for convert in [pack_linear_layers, quantize_int8] if packing_available() else [quantize_int8]:
+        for convert in [pack_linear_layers, quantize_weights] if packing_available() else [quantize_weights]:
             converted = loaded(folders[variant])[0]
             convert(converted)
             error = (converted(ids) - fused).abs()

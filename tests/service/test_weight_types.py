@@ -1,5 +1,5 @@
-"""A replica's weight type from its serving config: float32 on the CPU by default, int8 weights
-on request (CPU only: asked for on a GPU, the replica refuses to start with a clear error)."""
+"""A replica's weight type from its serving config: float32 on the CPU by default, quantized
+weights on request (on a GPU too, dequantized at each product); a GGUF file keeps its own types."""
 
 import pytest
 import torch
@@ -13,15 +13,19 @@ def config(**kwargs: str) -> ModelServingConfig:
     return ModelServingConfig(name="m", checkpoint=DEFAULT_GENERATOR, **kwargs)  # type: ignore[arg-type]
 
 
-def test_cpu_defaults_to_float32_and_takes_int8_on_request() -> None:
+def test_cpu_defaults_to_float32_and_takes_quantized_weights_on_request() -> None:
     assert resolve_device(config(device="cpu")) == ("cpu", torch.float32)
-    assert resolve_device(config(device="cpu", dtype="int8")) == ("cpu", "int8")
+    for quantization in ["int8", "q8_0", "q4_0", "q4_1"]:
+        assert resolve_device(config(device="cpu", quantization=quantization)) == ("cpu", quantization)
+        assert resolve_device(config(device="cuda", quantization=quantization)) == ("cuda", quantization)
     assert resolve_device(config(device="cpu", dtype="bfloat16")) == ("cpu", torch.bfloat16)
 
 
-def test_int8_on_a_gpu_is_refused() -> None:
-    with pytest.raises(ValueError, match="CPU only"):
-        resolve_device(config(device="cuda", dtype="int8"))
+def test_an_unknown_quantization_and_int8_as_a_dtype_are_config_errors() -> None:
+    with pytest.raises(ValueError, match="quantization"):
+        config(device="cpu", quantization="q3_k")
+    with pytest.raises(ValueError, match="int8"):
+        config(device="cpu", dtype="int8")  # the weights' type is quantization's now
 
 
 def test_an_unknown_dtype_is_a_config_error() -> None:
