@@ -81,8 +81,16 @@ def _kernels() -> tuple[Callable[..., int], Callable[..., int]] | None:
     return None if linear is None or rows is None else (linear, rows)
 
 
+def _kernels_built() -> bool:
+    return _kernels() is not None
+
+
+# A constant to torch.compile's tracing (it would trace into the functools.cache function).
+kernels_built: Callable[[], bool] = torch.compiler.assume_constant_result(_kernels_built)
+
+
 def _kernel_applies(x: Tensor, blocks: Tensor) -> bool:
-    return _kernels() is not None and x.device.type == "cpu" and x.dtype == torch.float32 and blocks.device.type == "cpu"
+    return kernels_built() and x.device.type == "cpu" and x.dtype == torch.float32 and blocks.device.type == "cpu"
 
 
 def _check(blocks: Tensor, ggml_type: int, in_features: int) -> None:
@@ -92,17 +100,23 @@ def _check(blocks: Tensor, ggml_type: int, in_features: int) -> None:
         raise ValueError(f"blocks: {blocks.shape[1]} bytes a row, {in_features} input features of {TYPE_NAMES[ggml_type]}")
 
 
+def _check_ids(ids: Tensor, rows: int) -> Tensor:
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < rows):
+        raise IndexError(f"an id out of [0, {rows})")
+    return ids
+
+
 def dequantize_rows(blocks: Tensor, ggml_type: int, in_features: int, ids: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """The weight rows ids (all, where None) as float32 (n, in_features), written into `out` when
-    given (contiguous, that shape): the C kernel on the CPU, else torch. ids must lie in [0, rows)."""
+    given (contiguous, that shape): the C kernel on the CPU, else torch. IndexError for an id
+    outside [0, rows)."""
     _check(blocks, ggml_type, in_features)
     kernels = _kernels()
-    if kernels is None or blocks.device.type != "cpu":
-        return dequantize(blocks if ids is None else blocks[ids], ggml_type, in_features)
     if ids is not None:
-        ids = ids.to(torch.int64).contiguous()
-        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < blocks.shape[0]):
-            raise IndexError("dequantize_rows: an id out of range")
+        ids = _check_ids(ids, blocks.shape[0])
+    if kernels is None or blocks.device.type != "cpu":
+        return dequantize(blocks if ids is None else blocks[ids.to(blocks.device)], ggml_type, in_features)
     n = blocks.shape[0] if ids is None else ids.numel()
     dst = torch.empty(n, in_features) if out is None else out
     if dst.shape != (n, in_features) or dst.dtype != torch.float32 or not dst.is_contiguous():
@@ -111,13 +125,25 @@ def dequantize_rows(blocks: Tensor, ggml_type: int, in_features: int, ids: Tenso
     return dst
 
 
+def embedding_rows(blocks: Tensor, ids: Tensor, in_features: int, ggml_type: int) -> Tensor:
+    """The embedding rows of ids (N,) as float32 (N, in_features): dequantize_rows as an operator."""
+    return dequantize_rows(blocks, ggml_type, in_features, ids)
+
+
+def _rows_shape(blocks: Tensor, ids: Tensor, in_features: int, ggml_type: int) -> Tensor:
+    return blocks.new_empty(ids.shape[0], in_features, dtype=torch.float32)
+
+
+block_embedding = cpu_kernels.register_operator("block_embedding", embedding_rows, _rows_shape)
+
+
 def block_product(rows: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int, ggml_type: int) -> Tensor:
     """rows (N, in) float32 times the weight in blocks (out_features, row_bytes), plus bias: (N, out_features).
     Up to KERNEL_ROWS rows by the C kernel, more through slabs of dequantized rows and torch's GEMM."""
     n, in_features = rows.shape
     _check(blocks, ggml_type, in_features)
     if blocks.shape[0] != out_features or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features)):
-        raise ValueError("block_linear: blocks (out_features, row_bytes), bias (out_features,) float32")
+        raise ValueError(f"block_linear: blocks ({out_features}, row_bytes), bias ({out_features},) float32; not {tuple(blocks.shape)}, {bias if bias is None else bias.shape}")
     kernels = _kernels()
     assert kernels is not None, "block_product without its kernel"
     rows = rows.contiguous()
@@ -195,7 +221,12 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         """ids (...) -> (..., embedding_dim) float32."""
-        return dequantize_rows(self.blocks, self.ggml_type, self.embedding_dim, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
+        rows = ids.reshape(-1)  # (N,)
+        if _kernel_applies(self.blocks.new_empty(0, dtype=torch.float32), self.blocks):
+            found = block_embedding(self.blocks, rows, self.embedding_dim, self.ggml_type)  # an operation under torch.compile
+        else:
+            found = dequantize_rows(self.blocks, self.ggml_type, self.embedding_dim, rows)
+        return found.view(*ids.shape, self.embedding_dim)
 
     def as_linear(self) -> BlockLinear:
         """The tied output projection: the same blocks (no copy) as a BlockLinear (vocab outputs)."""
