@@ -143,7 +143,7 @@ def block_product(rows: Tensor, blocks: Tensor, bias: Tensor | None, out_feature
     n, in_features = rows.shape
     _check(blocks, ggml_type, in_features)
     if blocks.shape[0] != out_features or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features)):
-        raise ValueError(f"block_linear: blocks ({out_features}, row_bytes), bias ({out_features},) float32; not {tuple(blocks.shape)}, {bias if bias is None else bias.shape}")
+        raise ValueError(f"block_linear: blocks ({out_features}, row_bytes) and bias ({out_features},) float32")
     kernels = _kernels()
     assert kernels is not None, "block_product without its kernel"
     rows = rows.contiguous()

@@ -31,8 +31,9 @@ def test_every_source_is_in_the_library(tmp_path: Path) -> None:
     if compiler is None:
         pytest.skip("no C compiler")
     symbols = subprocess.run(["nm", "-D", str(cpu_kernels.build(compiler, tmp_path))], check=True, capture_output=True, text=True).stdout
-    assert {source.stem for source in cpu_kernels.SOURCES} == {"paged_attention", "panel_linear", "top_k"}
+    assert {source.stem for source in cpu_kernels.SOURCES} == {"block_linear", "paged_attention", "panel_linear", "top_k"}
     assert " T paged_decode_attention" in symbols and " T panel_linear" in symbols and " T row_top_k" in symbols
+    assert " T block_linear" in symbols and " T block_rows" in symbols
 
 
 def test_a_compiler_that_fails_raises_and_installs_nothing(tmp_path: Path) -> None:

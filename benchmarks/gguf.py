@@ -1,0 +1,184 @@
+"""Our engine against llama.cpp on the same GGUF files, one thread each, side by side in one run.
+
+    python -m benchmarks.gguf [--folder DIR] [--types Q8_0,Q4_1,Q4_0] [--json [FILE]] [--repeats 3]
+
+The files: --folder (default: benchmarks.vs_vllm's random-weight folder of SmolLM2-135M's shape,
+built there when missing: 30 layers, width 576, 9 query and 3 KV heads, 49,152-token byte-level
+BPE vocabulary, tied embeddings) written by exports.gguf in each type into runs/gguf/ (once).
+llama.cpp is llama-cpp-python 0.3.36 (installed into this environment on first use: it builds
+llama.cpp from source for this CPU, a few minutes), n_threads 1; ours is the offline engine
+(service/engine/offline.py) over load_gguf's model with torch's 1 thread, speculative decoding
+off (llama.cpp has none by default; random weights' repetitive answers would flatter it).
+
+Per file, the systems taking turns for --repeats rounds, each keeping its best:
+- decode_tok_s: greedy decoding at batch 1, 128 tokens after a 16-token prompt (llama.cpp: its
+  eval of one token at a time, the next picked by argmax of its logits; ours: one request,
+  ignore_eos);
+- prompt_tok_s: a 512-token prompt's prefill (llama.cpp: one eval of n_batch 512; ours: a request
+  for one token, its time to the first token);
+- top1_agreement: the share of the 512 prompt positions whose most likely next token is the same
+  in ours' logits and llama.cpp's (llama.cpp multiplies Q8_0 / Q4 weights by activations quantized
+  to 8 bits; ours keeps float32 activations), and the largest logit difference;
+- resident_weight_bytes: ours' model's tensors, against the file's size.
+
+Prints a table; --json writes the figures (default benchmarks/results/gguf_llama_cpp.json), each
+ratio ours / llama.cpp (<figure>_ratio), the CPU named.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.provenance import machine
+from benchmarks.vs_vllm import DEFAULT, build_folder
+from decoding.sampling_params import GREEDY
+from exports.gguf import export_gguf
+from loading.gguf_load import load_gguf
+from model.packed_linear import pack_linear_layers, packing_available
+from service.engine.offline import OfflineEngine
+from service.engine.request import GenerationParams
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ROOT / "runs" / "gguf"
+RESULTS = ROOT / "benchmarks" / "results" / "gguf_llama_cpp.json"
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+DECODE_TOKENS, DECODE_PROMPT, PROMPT_TOKENS = 128, 16, 512
+
+
+def ensure_llama_cpp() -> None:
+    """Installs llama-cpp-python (built from source for this CPU, no OpenMP: one thread) when missing."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return
+    print(f"installing {LLAMA_CPP} (builds llama.cpp: a few minutes)", flush=True)
+    environment = {"CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DGGML_OPENMP=OFF", "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+    subprocess.run([sys.executable, "-m", "pip", "install", LLAMA_CPP], check=True, env={**os.environ, **environment})
+
+
+def gguf_file(folder: Path, kind: str) -> Path:
+    path = FILES / f"{folder.name}-{kind}.gguf"
+    if not path.is_file():
+        FILES.mkdir(parents=True, exist_ok=True)
+        export_gguf(folder, path, kind)
+    return path
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """n random ids of the tokenizer's few hundred (the folder's other embedding rows are zero)."""
+    return torch.randint(3, 800, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class LlamaCpp:
+    def __init__(self, path: Path) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=str(path), n_threads=1, n_threads_batch=1, n_ctx=1024, n_batch=PROMPT_TOKENS, logits_all=True, verbose=False
+        )
+
+    def decode(self, prompt: list[int]) -> float:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(DECODE_TOKENS):
+            self.llm.eval([int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))])
+        return DECODE_TOKENS / (time.perf_counter() - start)
+
+    def prefill(self, prompt: list[int]) -> float:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def logits(self, prompt: list[int]) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        return np.array(self.llm.scores[: len(prompt)])
+
+
+class Ours:
+    def __init__(self, path: Path) -> None:
+        self.model, tokenizer = load_gguf(path)
+        if packing_available():
+            pack_linear_layers(self.model)  # what Engine.from_checkpoint does: the float layers (norms stay)
+        self.engine = OfflineEngine(self.model, tokenizer, n_slots=1, num_speculative_tokens=0)
+
+    def decode(self, prompt: list[int]) -> float:
+        params = GenerationParams(max_tokens=DECODE_TOKENS, sampling=GREEDY, ignore_eos=True)
+        self.engine.generate([prompt[:1]], GenerationParams(max_tokens=1, sampling=GREEDY))  # the prompt's cost apart
+        start = time.perf_counter()
+        [completion] = self.engine.generate([prompt], params)
+        assert len(completion.token_ids) == DECODE_TOKENS
+        return DECODE_TOKENS / (time.perf_counter() - start)
+
+    def prefill(self, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        self.engine.generate([prompt], GenerationParams(max_tokens=1, sampling=GREEDY))
+        return len(prompt) / (time.perf_counter() - start)
+
+    def logits(self, prompt: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return self.model(torch.tensor([prompt]))[0].numpy()
+
+    def resident_bytes(self) -> int:
+        held = {t.data_ptr(): t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()]}
+        return sum(held.values())
+
+
+def measure(path: Path, repeats: int) -> dict[str, Any]:
+    llama, ours = LlamaCpp(path), Ours(path)
+    figures: dict[str, Any] = {"file": path.name, "file_bytes": path.stat().st_size}
+    for system in (llama, ours):
+        system.decode(prompt_ids(DECODE_PROMPT, 0))  # warm-up
+        system.prefill(prompt_ids(PROMPT_TOKENS, 1))
+    best: dict[str, float] = {}
+    systems: list[tuple[str, LlamaCpp | Ours]] = [("llama_cpp", llama), ("ours", ours)]
+    for turn in range(repeats):
+        for name, system in systems:
+            decode, prefill = system.decode(prompt_ids(DECODE_PROMPT, 10 + turn)), system.prefill(prompt_ids(PROMPT_TOKENS, 20 + turn))
+            best[f"decode_tok_s_{name}"] = max(best.get(f"decode_tok_s_{name}", 0.0), decode)
+            best[f"prompt_tok_s_{name}"] = max(best.get(f"prompt_tok_s_{name}", 0.0), prefill)
+    figures |= {key: round(value, 1) for key, value in best.items()}
+    for figure in ("decode_tok_s", "prompt_tok_s"):
+        figures[f"{figure}_ratio"] = round(best[f"{figure}_ours"] / best[f"{figure}_llama_cpp"], 2)
+    prompt = prompt_ids(PROMPT_TOKENS, 99)
+    theirs, mine = llama.logits(prompt), ours.logits(prompt)
+    figures["top1_agreement"] = round(float((theirs.argmax(-1) == mine.argmax(-1)).mean()), 4)
+    figures["max_logit_difference"] = round(float(np.abs(theirs - mine).max()), 4)
+    figures["resident_weight_bytes"] = ours.resident_bytes()
+    figures["resident_over_file"] = round(figures["resident_weight_bytes"] / figures["file_bytes"], 3)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--folder", type=Path, default=None, help="a Llama-family folder (default: vs_vllm's SmolLM2-135M-shape folder)")
+    parser.add_argument("--types", default="Q8_0,Q4_1,Q4_0")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", nargs="?", const=RESULTS, default=None, type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ensure_llama_cpp()
+    folder = args.folder or build_folder(DEFAULT.folder, DEFAULT.shape, DEFAULT.model)
+    results = [measure(gguf_file(folder, kind), args.repeats) for kind in args.types.split(",")]
+    print(f"{'file':34} {'decode tok/s llama.cpp / ours':>32} {'prompt tok/s':>24} {'top-1':>7} {'resident/file':>14}")
+    for r in results:
+        decode = f"{r['decode_tok_s_llama_cpp']} / {r['decode_tok_s_ours']} ({r['decode_tok_s_ratio']}x)"
+        prompt = f"{r['prompt_tok_s_llama_cpp']} / {r['prompt_tok_s_ours']} ({r['prompt_tok_s_ratio']}x)"
+        print(f"{r['file']:34} {decode:>32} {prompt:>24} {r['top1_agreement']:>7} {r['resident_over_file']:>14}")
+    if args.json:
+        document = {"machine": machine(), "threads": 1, "folder": str(folder), "files": results}
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
