@@ -163,7 +163,7 @@ def speed() -> str:
     peers, serving = result("peers"), result("serving")
     return (
         f"- Speed (last runs, 1 thread): {span(peer_ratios(peers, '_vs_transformers'), two)}x transformers and "
-        f"{span(peer_ratios(peers, '_vs_ct2_float32'), two)} of CTranslate2 in float32; int8 weights (`dtype: int8`) reach "
+        f"{span(peer_ratios(peers, '_vs_ct2_float32'), two)} of CTranslate2 in float32; int8 weights (`quantization: int8`) reach "
         f"{span(peer_ratios(peers, '_int8_vs_ct2_int8'), two)} of CTranslate2 int8 ([performance](docs/performance.md)). "
         f"Through HTTP, streams on 2 cores deliver {two(serving['http_vs_inprocess_16_stream'])} (16 clients) and "
         f"{two(serving['http_vs_inprocess_32_stream'])} (32) of the engine's in-process throughput "

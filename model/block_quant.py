@@ -81,6 +81,20 @@ def _kernels() -> tuple[Callable[..., int], Callable[..., int]] | None:
     return None if linear is None or rows is None else (linear, rows)
 
 
+@functools.cache
+def _q8_kernels() -> tuple[Callable[..., None], Callable[..., int]] | None:
+    """The C kernels quantize_rows_q8 and block_linear_q8 (8-bit activations), or None where they
+    are not built here (no x86 AVX2, or the kernels off)."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    available = cpu_kernels.load_function("block_linear_q8_available", ctypes.c_int, [])
+    if available is None or not available():
+        return None
+    quantize_rows = cpu_kernels.load_function("quantize_rows_q8", None, [pointer, size, size, pointer, pointer, pointer])
+    linear = cpu_kernels.load_function("block_linear_q8", ctypes.c_int, [pointer] * 6 + [size] * 4)
+    assert quantize_rows is not None and linear is not None
+    return quantize_rows, linear
+
+
 def _kernels_built() -> bool:
     return _kernels() is not None
 
@@ -137,9 +151,13 @@ def _rows_shape(blocks: Tensor, ids: Tensor, in_features: int, ggml_type: int) -
 block_embedding = cpu_kernels.register_operator("block_embedding", embedding_rows, _rows_shape)
 
 
-def block_product(rows: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int, ggml_type: int) -> Tensor:
+def block_product(
+    rows: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int, ggml_type: int, activation_bits: int = 32
+) -> Tensor:
     """rows (N, in) float32 times the weight in blocks (out_features, row_bytes), plus bias: (N, out_features).
-    Up to KERNEL_ROWS rows by the C kernel, more through slabs of dequantized rows and torch's GEMM."""
+    activation_bits 32: up to KERNEL_ROWS rows by the C kernel, more through slabs of dequantized rows
+    and torch's GEMM. 8 (where q8_available()): the rows quantized to 8 bits in blocks of 32, every
+    row by integer dot products (llama.cpp's way); elsewhere as 32."""
     n, in_features = rows.shape
     _check(blocks, ggml_type, in_features)
     if blocks.shape[0] != out_features or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features)):
@@ -148,6 +166,26 @@ def block_product(rows: Tensor, blocks: Tensor, bias: Tensor | None, out_feature
     assert kernels is not None, "block_product without its kernel"
     rows = rows.contiguous()
     bias = None if bias is None else bias.contiguous()
+    bias_pointer = None if bias is None else bias.data_ptr()
+    q8 = _q8_kernels() if activation_bits == 8 else None
+    if q8 is not None:
+        quantized = torch.empty(n, in_features, dtype=torch.int8)
+        scales = torch.empty(2, n, in_features // BLOCK)  # each block's scale, and scale x sum of its values
+        q8[0](rows.data_ptr(), n, in_features, quantized.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
+        y = rows.new_empty(n, out_features)
+        q8[1](
+            quantized.data_ptr(),
+            scales[0].data_ptr(),
+            scales[1].data_ptr(),
+            blocks.data_ptr(),
+            bias_pointer,
+            y.data_ptr(),
+            n,
+            in_features,
+            out_features,
+            ggml_type,
+        )
+        return y
     if n > KERNEL_ROWS:
         slab = max(1, SLAB_FLOATS // in_features)
         weights = rows.new_empty(slab, in_features)  # one buffer for every slab: a fresh one would fault its pages in each time
@@ -158,13 +196,13 @@ def block_product(rows: Tensor, blocks: Tensor, bias: Tensor | None, out_feature
         y = torch.cat(pieces, dim=1)  # (N, out)
         return y if bias is None else y + bias
     y = rows.new_empty(n, out_features)
-    kernels[0](
-        rows.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), n, in_features, out_features, ggml_type
-    )
+    kernels[0](rows.data_ptr(), blocks.data_ptr(), bias_pointer, y.data_ptr(), n, in_features, out_features, ggml_type)
     return y
 
 
-def _product_shape(rows: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int, ggml_type: int) -> Tensor:
+def _product_shape(
+    rows: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int, ggml_type: int, activation_bits: int = 32
+) -> Tensor:
     return rows.new_empty(rows.shape[0], out_features)
 
 
@@ -183,6 +221,7 @@ class BlockLinear(nn.Module):
         self.register_buffer("blocks", blocks)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, blocks.shape[0]
+        self.activation_bits = 32  # 8: a few rows' activations quantized to 8 bits (set_activation_bits)
 
     @classmethod
     def quantized(cls, weight: Tensor, bias: Tensor | None, ggml_type: int) -> "BlockLinear":
@@ -198,14 +237,33 @@ class BlockLinear(nn.Module):
         """x: (..., in). Returns (..., out) in x's dtype."""
         rows = x.reshape(-1, self.in_features)  # (N, in)
         if _kernel_applies(rows, self.blocks):
-            y = block_linear(rows, self.blocks, self.bias, self.out_features, self.ggml_type)
+            bits = self.activation_bits if rows.shape[0] <= KERNEL_ROWS else 32  # a prompt: the slabs, faster there
+            y = block_linear(rows, self.blocks, self.bias, self.out_features, self.ggml_type, bits)
         else:
             weight = dequantize(self.blocks, self.ggml_type, self.in_features, x.dtype)  # (out, in)
             y = F.linear(rows, weight, None if self.bias is None else self.bias.to(x.dtype))
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, type={TYPE_NAMES[self.ggml_type]}"
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, type={TYPE_NAMES[self.ggml_type]}, activation_bits={self.activation_bits}"
+
+
+def q8_available() -> bool:
+    """The 8-bit activation kernels are built here (x86 with AVX2)."""
+    return _q8_kernels() is not None
+
+
+def set_activation_bits(model: nn.Module, bits: int) -> int:
+    """Sets, in place, the activations of every BlockLinear in model: 8 (quantized to 8 bits in blocks
+    of 32 for a decode step's rows, as llama.cpp does: faster, differs from float32 by rounding) or
+    32 (float32: what dequantizing the file computes). Returns how many layers it set."""
+    if bits not in (8, 32):
+        raise ValueError(f"activation bits {bits}: 8 or 32")
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    for layer in layers:
+        layer.activation_bits = bits
+    return len(layers)
 
 
 class BlockEmbedding(nn.Module):

@@ -222,3 +222,134 @@ int block_rows(const uint8_t *w, const int64_t *ids, int64_t n, int64_t in, int6
     default: return -1;
     }
 }
+
+/* ---- 8-bit activations (llama.cpp's way): each row quantized to int8 in blocks of 32 with a float
+ * scale (Q8_0's rounding), so that a block's products are integer dot products: AVX-512 VNNI's
+ * vpdpbusd (on 256-bit vectors), else AVX2's vpmaddubsw and vpmaddwd. A weight block and an
+ * activation block give d_w d_x sum(q_w q_x) (+ m_w d_x sum(q_x) for Q4_1). x86 with AVX2 only;
+ * block_linear_q8_available() says whether this build has them. */
+#if defined(__AVX2__)
+#define Q8_ROW_GROUP 4
+
+/* 32 weights of a block as bytes: Q8_0 and Q4_0 (q - 8) signed, Q4_1 unsigned (0..15). */
+static inline __attribute__((always_inline)) __m256i block_bytes_of(int type, const uint8_t *block) {
+    if (type == GGML_Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
+    const __m128i v = _mm_loadu_si128((const __m128i *)(block + (type == GGML_Q4_1 ? 4 : 2))), low = _mm_set1_epi8(15);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    return type == GGML_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+}
+
+/* 8 int32 sums of 4 products each of unsigned u and signed s bytes (|u s| sums of two fit int16 here). */
+static inline __m256i dot_bytes(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float sum8(__m256 v) { /* a fixed order: halves, then pairs */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Q4_1's sum over a row's blocks of m_w xs. Not inlined: one order of operations for every row group. */
+static __attribute__((noinline)) float min_terms(const uint8_t *w_row, const float *xs, int64_t blocks) {
+    float sum = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) sum += half_to_float(w_row + b * 20 + 2) * xs[b]; /* a Q4_1 block: d, then m */
+    return sum;
+}
+
+/* R rows' (R a constant where inlined) outputs o of W: x's blocks xq (int8), their scales xd and
+ * xd * sum(xq) (xs, Q4_1's min term). Two accumulators a row, even and odd blocks, in that order. */
+static inline __attribute__((always_inline)) void q8_rows_dot(int R, int type, const int8_t *xq, const float *xd, const float *xs,
+                                                              const uint8_t *w_row, const float *bias, float *y, int64_t in,
+                                                              int64_t out, int64_t o) {
+    const int64_t size = block_bytes(type), blocks = in / BLOCK;
+    __m256 acc[Q8_ROW_GROUP][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = w_row + b * size;
+        const __m256i q = block_bytes_of(type, block);
+        const __m256i u = type == GGML_Q4_1 ? q : _mm256_sign_epi8(q, q); /* |q| */
+        const float d = half_to_float(block);
+        for (int r = 0; r < R; r++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * in + b * BLOCK));
+            const __m256i sums = dot_bytes(u, type == GGML_Q4_1 ? x : _mm256_sign_epi8(x, q));
+            acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * xd[r * blocks + b]), acc[r][b & 1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float mins = type == GGML_Q4_1 ? min_terms(w_row, xs + r * blocks, blocks) : 0.0f;
+        const float sum = sum8(_mm256_add_ps(acc[r][0], acc[r][1])) + mins;
+        y[r * out + o] = bias != NULL ? sum + bias[o] : sum;
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_typed_linear(int type, const int8_t *xq, const float *xd, const float *xs,
+                                                                  const uint8_t *w, const float *bias, float *y, int64_t rows,
+                                                                  int64_t in, int64_t out) {
+    const int64_t row_size = in / BLOCK * block_bytes(type), blocks = in / BLOCK;
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t r = 0; r < rows; r += Q8_ROW_GROUP) {
+            const int64_t n = rows - r < Q8_ROW_GROUP ? rows - r : Q8_ROW_GROUP;
+            const int8_t *xr = xq + r * in;
+            const float *dr = xd + r * blocks, *sr = xs + r * blocks;
+            float *yr = y + r * out;
+            switch (n) {
+            case 4: q8_rows_dot(4, type, xr, dr, sr, w + o * row_size, bias, yr, in, out, o); break;
+            case 3: q8_rows_dot(3, type, xr, dr, sr, w + o * row_size, bias, yr, in, out, o); break;
+            case 2: q8_rows_dot(2, type, xr, dr, sr, w + o * row_size, bias, yr, in, out, o); break;
+            default: q8_rows_dot(1, type, xr, dr, sr, w + o * row_size, bias, yr, in, out, o); break;
+            }
+        }
+}
+#endif
+
+/* x (rows, in) float32 -> xq (rows, in) int8 in blocks of BLOCK with scales xd (rows, in / BLOCK)
+ * = max |x| / 127 (Q8_0's: values rounded to nearest, half away from zero, by the float32 scale;
+ * the scale then kept in fp16, as llama.cpp's quantize_row_q8_0_ref) and xs = xd * sum(xq) per block. */
+void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, float *xd, float *xs) {
+    for (int64_t i = 0; i < rows * in / BLOCK; i++) {
+        const float *v = x + i * BLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < BLOCK; j++) amax = v[j] > amax ? v[j] : -v[j] > amax ? -v[j] : amax;
+        const float d = amax / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < BLOCK; j++) {
+            const int q = (int)__builtin_roundf(v[j] * inverse);
+            xq[i * BLOCK + j] = (int8_t)q;
+            sum += q;
+        }
+        const float stored = (float)(_Float16)d; /* kept as fp16, as llama.cpp's block_q8_0 keeps it */
+        xd[i] = stored, xs[i] = stored * (float)sum;
+    }
+}
+
+/* Whether block_linear_q8 is built here (x86 with AVX2). */
+int block_linear_q8_available(void) {
+#if defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* block_linear with x given as quantize_rows_q8's xq, xd, xs (rows of in): y (rows, out) = x W^T +
+ * bias. Returns 0, or -1 for another type or where this build has no such kernel. */
+int block_linear_q8(const int8_t *xq, const float *xd, const float *xs, const uint8_t *w, const float *bias, float *y, int64_t rows,
+                    int64_t in, int64_t out, int64_t type) {
+#if defined(__AVX2__)
+    switch (type) {
+    case GGML_Q8_0: q8_typed_linear(GGML_Q8_0, xq, xd, xs, w, bias, y, rows, in, out); return 0;
+    case GGML_Q4_0: q8_typed_linear(GGML_Q4_0, xq, xd, xs, w, bias, y, rows, in, out); return 0;
+    case GGML_Q4_1: q8_typed_linear(GGML_Q4_1, xq, xd, xs, w, bias, y, rows, in, out); return 0;
+    default: return -1;
+    }
+#else
+    (void)xq, (void)xd, (void)xs, (void)w, (void)bias, (void)y, (void)rows, (void)in, (void)out, (void)type;
+    return -1;
+#endif
+}

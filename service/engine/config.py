@@ -117,7 +117,15 @@ class EngineConfig:
     speculation_max_batch: int = 8
     recent_outputs_tokens: int = 1 << 13
 
+    # Quantized weights (a GGUF file's, or --quantization; model/block_quant.py): a decode step's
+    # activations quantized to 8 bits in blocks of 32, products as integer dot products, as llama.cpp
+    # does (x86 with AVX2; 1.0-1.15x the decode speed of float32 activations, benchmarks/gguf.py), or
+    # 32: float32 activations, what transformers computes from the same file. Prompts take float32.
+    activation_bits: int = 8
+
     def __post_init__(self) -> None:
+        if self.activation_bits not in (8, 32):
+            raise ValueError("activation_bits must be 8 or 32")
         if self.n_slots < 1 or self.max_waiting < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("n_slots, max_waiting and max_num_batched_tokens must be at least 1 (a request waits before it runs)")
         if self.block_size < 1 or (self.kv_cache_bytes is not None and self.kv_cache_bytes < 1):

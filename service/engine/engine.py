@@ -12,6 +12,7 @@ import torch
 
 from decoding.beam_search import Hypothesis
 from loading.checkpoint import WeightType, load_checkpoint
+from model.block_quant import set_activation_bits
 from model.packed_linear import pack_linear_layers, packing_available
 from service.engine.config import EngineConfig, FinishReason, TokenLogprob
 from service.engine.detokenizer import IncrementalDetokenizer, PieceBytes
@@ -112,6 +113,7 @@ class Engine:
     @classmethod
     def from_checkpoint(cls, directory: Path, config: EngineConfig, device: str = "cpu", dtype: WeightType = torch.float32) -> "Engine":
         model, tokenizer = load_checkpoint(directory, device, dtype)
+        set_activation_bits(model, config.activation_bits)  # quantized weights' layers, if any
         if torch.device(device).type == "cpu" and dtype == torch.float32 and packing_available():
             pack_linear_layers(model)  # oneDNN GEMMs for the decode steps' many-row batches
         return cls(runner_for(model, tokenizer, config), config)

@@ -262,3 +262,31 @@ def test_files_the_service_cannot_serve_are_refused_with_one_line_naming_the_pro
     unsized = _rewritten(good, tmp_path / "unsized.gguf", drop=frozenset({"llama.feed_forward_length"}))
     with pytest.raises(CheckpointError, match="feed_forward_length"):
         load_gguf(unsized)
+
+
+@pytest.mark.parametrize("ggml_type", [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1])
+def test_8_bit_activations_are_float_activations_rounded_and_batch_independent(ggml_type: int) -> None:
+    if not block_quant.q8_available():
+        pytest.skip("no 8-bit activation kernels on this CPU")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, 96), torch.randn(200)
+    blocks = block_quant.quantize(weight, ggml_type)
+    rows = torch.randn(7, 96)
+    rows[2] *= 100  # a row far larger than the rest: its own scales
+    exact = block_product(rows, blocks, bias, 200, ggml_type, 32)
+    rounded = block_product(rows, blocks, bias, 200, ggml_type, 8)
+    assert 0 < ((rounded - exact).norm() / exact.norm()) < 0.02
+    for i in range(7):
+        assert torch.equal(block_product(rows[i : i + 1], blocks, bias, 200, ggml_type, 8)[0], rounded[i])
+    # what llama.cpp computes: the rows quantized as Q8_0 (the gguf package's quantizer), times the weights
+    q8_rows = gguf.quants.dequantize(gguf.quants.quantize(rows.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+    expected = torch.from_numpy(q8_rows) @ dequantize(blocks, ggml_type, 96).T + bias
+    torch.testing.assert_close(rounded, expected, atol=1e-3, rtol=1e-4)
+
+
+def test_activation_bits_are_set_on_every_block_layer(files: dict[tuple[str, str], Path]) -> None:
+    model, _ = load_gguf(files["qwen2", "Q4_1"])
+    assert block_quant.set_activation_bits(model, 8) == 1 + 5 * model.config.n_layers
+    assert {m.activation_bits for m in model.modules() if isinstance(m, BlockLinear)} == {8}
+    with pytest.raises(ValueError, match="8 or 32"):
+        block_quant.set_activation_bits(model, 16)
