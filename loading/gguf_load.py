@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -17,21 +16,23 @@ from model.generator import Generator
 from model.layers import DecoderLayer
 
 
-def _array(file: GGUFFile, name: str) -> np.ndarray:
+def _mapped(file: GGUFFile, name: str) -> Tensor:
+    """The file's tensor `name` as it lies in the map (no copy): (rows, columns) floats, or (rows,
+    row bytes) uint8 for a quantized one."""
     tensor = file.tensors.get(name)
     if tensor is None:
         raise file.error(f"missing tensor {name}")
-    return tensor.data  # a view of the memory map: (rows, columns) floats, or (rows, row bytes) uint8
+    return torch.from_numpy(tensor.data)
 
 
 def _float(file: GGUFFile, name: str) -> Tensor:
-    """A float tensor (F32, F16, BF16) as float32, its shape as the model's (rows first)."""
+    """A float tensor (F32, F16, BF16) as float32, its shape as the model's (rows first): F32 the
+    file's pages, the others converted."""
     tensor = file.tensors[name]
-    kind = int(tensor.tensor_type)
-    data = np.array(_array(file, name))  # a copy out of the map
-    if kind == BF16:
-        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).float().reshape(*reversed([int(n) for n in tensor.shape]))
-    return torch.from_numpy(data).float().reshape(*reversed([int(n) for n in tensor.shape]))
+    data, shape = _mapped(file, name), [int(n) for n in reversed(tensor.shape)]
+    if int(tensor.tensor_type) == BF16:
+        return data.view(torch.int16).view(torch.bfloat16).float().reshape(shape)
+    return data.float().reshape(shape)  # F32: the same tensor
 
 
 def _rope_rows(n_heads: int, head_dim: int) -> Tensor:
@@ -58,7 +59,7 @@ def _part(file: GGUFFile, name: str, shape: tuple[int, int], rows: Tensor | None
     if found != shape:
         raise file.error(f"tensor {name}.weight has shape {found}, expected {shape}")
     kind = int(tensor.tensor_type)
-    data = _float(file, f"{name}.weight") if kind in FLOAT_TYPES else torch.from_numpy(np.array(_array(file, f"{name}.weight")))
+    data = _float(file, f"{name}.weight") if kind in FLOAT_TYPES else _mapped(file, f"{name}.weight")
     bias = _float(file, f"{name}.bias") if f"{name}.bias" in file.tensors else None
     if rows is not None:
         data, bias = data[rows].contiguous(), None if bias is None else bias[rows]
@@ -98,12 +99,12 @@ def load_gguf(path: Path, device: str | torch.device = "cpu") -> tuple[Generator
     with _parameters_on_meta():
         model = Generator(config)
     c, permuted = config, file.architecture in INTERLEAVED_ROPE
-    embed, kind = _array(file, "token_embd.weight"), int(file.tensors["token_embd.weight"].tensor_type)
+    kind = int(file.tensors["token_embd.weight"].tensor_type)
     found = tuple(int(n) for n in reversed(file.tensors["token_embd.weight"].shape))
     if found != (c.vocab_size, c.d_model):
         raise file.error(f"tensor token_embd.weight has shape {found}, expected {(c.vocab_size, c.d_model)}")
     if kind in BLOCK_BYTES:
-        embedding = BlockEmbedding(torch.from_numpy(np.array(embed)), kind, c.d_model)
+        embedding = BlockEmbedding(_mapped(file, "token_embd.weight"), kind, c.d_model)
         model.register_module("embed", embedding)
         model.output_projection = embedding.as_linear() if c.tie_embeddings else None
     else:
