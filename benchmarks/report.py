@@ -640,7 +640,7 @@ def gguf_llama_cpp() -> str:
         )
     header = ["file", "decode tok/s at batch 1, llama.cpp / ours", "ours / llama.cpp", "512-token prompt tok/s, the same"]
     header += ["ours / llama.cpp", "top-1 agreement, ours with 8-bit / float32 activations", "ours' resident weights / file"]
-    run = f"commit `{data.get('commit', 'not recorded')}`, {data.get('llama_cpp', 'llama-cpp-python 0.3.36')}, {data['threads']} thread each, {data['machine']}"
+    run = f"commit `{data['commit']}`, {data['llama_cpp']}, {data['threads']} thread each, {data['machine']}"
     return (
         table(header, rows) + f"\n\nMeasured by `python -m benchmarks.gguf --json` ({run}; files of {data['folder'].rsplit('/', 1)[-1]})."
     )
