@@ -11,8 +11,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from decoding.sampling_params import GREEDY
+from exports.gguf import export_gguf
 from loading.checkpoint import DEFAULT_TRANSLATOR, load_checkpoint
+from loading.gguf_load import load_gguf
 from loading.tokenizer import TextTokenizer
+from model.block_quant import set_activation_bits
 from model.config import GeneratorConfig
 from model.generator import Generator
 from model.kv_cache import PagedKVCache, ragged_step
@@ -118,6 +121,40 @@ def test_compiled_steps_of_two_models_in_one_process_each_compute_their_eager_lo
         assert fast is not None
         step = ragged_step([1] * batch, positions_list, tables, block_size, torch.device("cpu"), model.positions.alibi_slopes)
         eager = model.forward_ragged(ids, torch.tensor(positions_list), cache.layers(step), torch.arange(batch))
+        torch.testing.assert_close(fast, eager, atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("activation_bits", [8, 32])
+def test_a_gguf_models_compiled_step_computes_its_eager_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, activation_bits: int
+) -> None:
+    """Weights kept in GGUF blocks (Q4_1; q, k and v of one type, stacked): the block kernels are
+    operations of the one graph (no graph break), and its logits are the eager step's."""
+    path = export_gguf(build_llama_folder(tmp_path / "llama", max_positions=128), tmp_path / "llama.gguf", "Q4_1")
+    model, _ = load_gguf(path)
+    assert set_activation_bits(model, activation_bits) > 0
+    pack_linear_layers(model)
+    block_size, batch, length = 16, 3, 40
+    config = model.config
+    cache = PagedKVCache(config.n_layers, 16, block_size, config.kv_heads, config.head_dim, torch.device("cpu"), torch.float32)
+    counters.clear()
+    compiled = CompiledDecode(model, cache, [1, batch])
+    assert not counters["graph_break"], f"the decode step is not one graph: {dict(counters['graph_break'])}"
+    compiled.batch_sizes = frozenset({1, batch})  # whatever the timings said
+    monkeypatch.setattr(compiled, "stance", "fail_on_recompile")
+    torch.manual_seed(0)
+    for pool in cache.keys + cache.values:
+        pool.normal_()
+    for rows in (1, batch):
+        blocks = -(-length // block_size)
+        tables = [list(range(1 + b * blocks, 1 + (b + 1) * blocks)) for b in range(rows)]
+        positions_list = [length - 1 - 7 * b for b in range(rows)]
+        ids = torch.randint(0, config.vocab_size, (rows,))
+        fast = compiled(ids, positions_list, tables)
+        assert fast is not None
+        step = ragged_step([1] * rows, positions_list, tables, block_size, torch.device("cpu"))
+        eager = model.forward_ragged(ids, torch.tensor(positions_list), cache.layers(step), torch.arange(rows))
         torch.testing.assert_close(fast, eager, atol=1e-4, rtol=0)
 
 
