@@ -1,48 +1,165 @@
 """Weights quantized at load (`quantization:` in a model's entry, `--quantization`): every linear
-layer of a float32 model, and the output projection, kept in one of GGUF's block types
-(model/block_quant.py) and multiplied by its kernels:
+layer of a float32 model, and the output projection, in one of two kinds:
 
-    int8, q8_0   Q8_0: 8-bit weights, a scale per 32 (8.5 bits a weight)
-    q4_0         Q4_0: 4-bit weights, a scale per 32 (4.5 bits)
-    q4_1         Q4_1: 4-bit weights, a scale and a min per 32 (5 bits)
+    int8         CTranslate2's int8: int8 weights with one scale per output channel; each input row
+                 quantized to int8 with its own scale at every call, products summed in int32
+    q8_0         GGUF's block types (model/block_quant.py): 8-bit weights, a scale per 32 (8.5 bits)
+    q4_0, q4_1   4-bit weights, a scale (and a min) per 32 (4.5 / 5 bits)
 
-The quantizers are the gguf package's (llama.cpp's reference rounding), so a model quantized here
-holds what llama.cpp's converter would write. Activations, embeddings, norms and attention stay
-float32; a layer whose input width is not a multiple of 32 stays float32 too. A row's output does
-not depend on the other rows of its batch within a kernel call (each row's sums run in one
-order). The outputs differ from float32's by rounding, so the path is held to quality bounds
+int8's sums are exact and every scale belongs to one row or one output channel, so a row's output
+does not depend on the other rows of its batch, and the few rows of a decode step (the C kernel
+int8_linear: AVX-512 VNNI or AVX2 dot products over the whole row) compute what the many rows of a
+prompt or a beam batch compute (torch._int_mm where it is fast, on AVX-512; elsewhere float32 GEMMs
+over int8 values, exact since every product and partial sum is an integer below 2^24). Whole-row
+integer sums make many rows fast, where the block types convert every 32 products to float.
+
+The block types' quantizers are the gguf package's (llama.cpp's reference rounding), so a model
+quantized here holds what llama.cpp's converter would write. Activations (but int8's, and the
+block types' with EngineConfig.activation_bits 8), embeddings, norms and attention stay float32; a
+layer whose input width is not a multiple of 32 stays float32 under the block types. The outputs
+differ from float32's by rounding, so the paths are held to quality bounds
 (tests/model/test_quantize.py). On a GPU the weights are dequantized at each product: correct, not fast.
 """
 
-import torch
-from torch import nn
+import ctypes
+import functools
+from collections.abc import Callable
 
+import torch
+from torch import Tensor, nn
+
+from model import cpu_kernels
 from model.block_quant import BLOCK, Q4_0, Q4_1, Q8_0, BlockLinear
 from model.config import Quantization
 from model.generator import Generator
 from model.translator import Translator
 
-GGML_TYPES: dict[str, int] = {"int8": Q8_0, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1}
+GGML_TYPES: dict[str, int] = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1}
 WeightType = torch.dtype | Quantization  # a float dtype, or float32 with quantized linear layers
+INT8_MAX = 127
+# Float32 holds every integer up to 2^24 exactly; a sum of K int8 products is at most 127^2 K.
+EXACT_FLOAT_K = 2**24 // INT8_MAX**2  # 1040
+INT_MM_IS_FAST = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+INT8_KERNEL_ROWS = 16  # up to this many rows a call go through the C kernel (past them, the GEMMs)
 
 
-def _quantized(linear: nn.Module, ggml_type: int) -> nn.Module:
-    if not isinstance(linear, nn.Linear) or linear.in_features % BLOCK:
+def int8_matmul(a: Tensor, b: Tensor, use_int_mm: bool = INT_MM_IS_FAST) -> Tensor:
+    """(N, K) int8 @ (K, M) int8, entries in [-127, 127] as this module rounds them -> (N, M)
+    float32: the exact int32 sums as float32, by torch._int_mm, or by float32 GEMMs (over slices
+    of at most EXACT_FLOAT_K of K, summed in int32, where K is longer): the same numbers."""
+    if use_int_mm:
+        return torch._int_mm(a, b).float()
+    if a.shape[1] <= EXACT_FLOAT_K:
+        return a.float() @ b.float()  # integers below 2^24: exact
+    sums = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)  # (N, M)
+    for k in range(0, a.shape[1], EXACT_FLOAT_K):
+        sums += (a[:, k : k + EXACT_FLOAT_K].float() @ b[k : k + EXACT_FLOAT_K].float()).to(torch.int32)
+    return sums.float()
+
+
+def _row_scales(x: Tensor) -> Tensor:
+    """(..., K) -> (..., 1): the scale that maps each row's largest magnitude to 127."""
+    return x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+
+
+@functools.cache
+def _int8_kernel() -> Callable[..., int] | None:
+    """The C kernel int8_linear, or None where it is not built (no x86 AVX2, or the kernels off)."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    available = cpu_kernels.load_function("block_linear_q8_available", ctypes.c_int, [])
+    if available is None or not available():
+        return None
+    return cpu_kernels.load_function("int8_linear", ctypes.c_int, [pointer] * 6 + [size] * 3)
+
+
+def _int8_kernel_built() -> bool:
+    return _int8_kernel() is not None
+
+
+int8_kernel_built: Callable[[], bool] = torch.compiler.assume_constant_result(_int8_kernel_built)  # a constant to tracing
+
+
+def int8_rows_product(quantized: Tensor, row_scale: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """(N, in) int8 rows with their scales (N, 1) times the int8 weight (out, in) with its scales
+    (1, out), plus bias: (N, out) float32 by the C kernel, equal to int8_matmul's path."""
+    kernel = _int8_kernel()
+    assert kernel is not None, "int8_rows_product without its kernel"
+    n, in_features = quantized.shape
+    if weight.dtype != torch.int8 or weight.shape[1] != in_features or in_features % BLOCK or scale.numel() != weight.shape[0]:
+        raise ValueError(f"int8_linear: weight (out, {in_features}) int8, in a multiple of {BLOCK}, a scale per output")
+    y = torch.empty(n, weight.shape[0])
+    xscale, wscale = row_scale.reshape(-1).contiguous(), scale.reshape(-1).contiguous()
+    bias_pointer = None if bias is None else bias.data_ptr()
+    args = (quantized.contiguous().data_ptr(), xscale.data_ptr(), weight.data_ptr(), wscale.data_ptr(), bias_pointer, y.data_ptr())
+    kernel(*args, n, in_features, weight.shape[0])
+    return y
+
+
+def _int8_shape(quantized: Tensor, row_scale: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    return row_scale.new_empty(quantized.shape[0], weight.shape[0])
+
+
+int8_rows = cpu_kernels.register_operator("int8_linear", int8_rows_product, _int8_shape)
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W (out, in) stored as int8 plus one float scale per output channel."""
+
+    weight: Tensor
+    weight_t: Tensor
+    scale: Tensor
+    bias: Tensor | None
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        scale = _row_scales(weight.detach().float())  # (out, 1)
+        quantized = torch.round(weight.detach().float() / scale).to(torch.int8)  # (out, in)
+        self.register_buffer("weight", quantized)  # (out, in): the kernel's layout
+        self.register_buffer("weight_t", quantized.T.contiguous())  # (in, out), the layout the GEMM reads
+        self.register_buffer("scale", scale.T.contiguous())  # (1, out)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.in_features, self.out_features = quantized.shape[1], quantized.shape[0]
+        self.kernel_applies = self.in_features % BLOCK == 0
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (..., in) float32. Returns (..., out) float32."""
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        row_scale = _row_scales(rows)  # (N, 1)
+        quantized = torch.round(rows / row_scale).to(torch.int8)  # (N, in)
+        if self.kernel_applies and rows.shape[0] <= INT8_KERNEL_ROWS and x.device.type == "cpu" and int8_kernel_built():
+            y = int8_rows(quantized, row_scale, self.weight, self.scale, self.bias)  # an operation under torch.compile
+        else:
+            y = int8_matmul(quantized, self.weight_t) * (row_scale * self.scale)  # (N, out): exact sums, rescaled
+            if self.bias is not None:
+                y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _quantized(linear: nn.Linear, quantization: Quantization) -> nn.Module:
+    if quantization == "int8":
+        return Int8Linear.from_linear(linear)
+    if linear.in_features % BLOCK:
         return linear
-    return BlockLinear.quantized(linear.weight, linear.bias, ggml_type)
+    return BlockLinear.quantized(linear.weight, linear.bias, GGML_TYPES[quantization])
 
 
 def quantize_weights(model: Translator | Generator, quantization: Quantization = "int8") -> None:
     """Replaces, in place, every nn.Linear of a float32 model (an untied lm_head among them) by a
-    BlockLinear of the quantization's type, and gives a tied model a quantized output projection
-    (the embedding table itself stays float32). A logits bias stays float32."""
-    ggml_type = GGML_TYPES[quantization]
+    layer of the quantization's kind, and gives a tied model a quantized output projection (the
+    embedding table itself stays float32). A logits bias stays float32."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
-                parent.register_module(name, _quantized(child, ggml_type))
-    if model.lm_head is None and model.embed.weight.shape[1] % BLOCK == 0:
-        model.output_projection = BlockLinear.quantized(model.embed.weight, None, ggml_type)
+                parent.register_module(name, _quantized(child, quantization))
+    if model.lm_head is None:
+        tied = nn.Linear(model.embed.weight.shape[1], model.embed.weight.shape[0], bias=False)
+        tied.weight = model.embed.weight
+        quantized = _quantized(tied, quantization)
+        model.output_projection = None if quantized is tied else quantized
     model.eval()
 
 

@@ -308,6 +308,63 @@ static inline __attribute__((always_inline)) void q8_typed_linear(int type, cons
 }
 #endif
 
+#if defined(__AVX2__)
+/* acc + 8 int32 sums of 4 products each of unsigned u and signed s bytes. */
+static inline __m256i dot_bytes_add(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void int8_rows_dot(int R, const int8_t *xq, const float *xscale, const int8_t *w_row,
+                                                                float wscale, const float *bias, float *y, int64_t in, int64_t out,
+                                                                int64_t o) {
+    __m256i acc[Q8_ROW_GROUP];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < in; k += BLOCK) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w_row + k)), u = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < R; r++)
+            acc[r] = dot_bytes_add(acc[r], u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + r * in + k)), q));
+    }
+    for (int r = 0; r < R; r++) {
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        const float sum = (float)_mm_cvtsi128_si32(s) * (xscale[r] * wscale); /* exact int32 sum, then the scales */
+        y[r * out + o] = bias != NULL ? sum + bias[o] : sum;
+    }
+}
+#endif
+
+/* Int8 weights with one scale per output channel, as CTranslate2's (model/quantize.py Int8Linear):
+ * y (rows, out) = (xq w^T) (xscale[r] wscale[o]) + bias, xq (rows, in) int8 with a scale per row,
+ * w (out, in) int8, in a multiple of BLOCK, values in [-127, 127]. The int32 sums are exact, so this
+ * computes what torch._int_mm's path computes. Returns 0, or -1 where this build has no such kernel. */
+int int8_linear(const int8_t *xq, const float *xscale, const int8_t *w, const float *wscale, const float *bias, float *y, int64_t rows,
+                int64_t in, int64_t out) {
+#if defined(__AVX2__)
+    if (in % BLOCK) return -1;
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t r = 0; r < rows; r += Q8_ROW_GROUP) {
+            const int64_t n = rows - r < Q8_ROW_GROUP ? rows - r : Q8_ROW_GROUP;
+            const int8_t *xr = xq + r * in;
+            float *yr = y + r * out;
+            switch (n) {
+            case 4: int8_rows_dot(4, xr, xscale + r, w + o * in, wscale[o], bias, yr, in, out, o); break;
+            case 3: int8_rows_dot(3, xr, xscale + r, w + o * in, wscale[o], bias, yr, in, out, o); break;
+            case 2: int8_rows_dot(2, xr, xscale + r, w + o * in, wscale[o], bias, yr, in, out, o); break;
+            default: int8_rows_dot(1, xr, xscale + r, w + o * in, wscale[o], bias, yr, in, out, o); break;
+            }
+        }
+    return 0;
+#else
+    (void)xq, (void)xscale, (void)w, (void)wscale, (void)bias, (void)y, (void)rows, (void)in, (void)out;
+    return -1;
+#endif
+}
+
 /* x (rows, in) float32 -> xq (rows, in) int8 in blocks of BLOCK with scales xd (rows, in / BLOCK)
  * = max |x| / 127 (Q8_0's: values rounded to nearest, half away from zero, by the float32 scale;
  * the scale then kept in fp16, as llama.cpp's quantize_row_q8_0_ref) and xs = xd * sum(xq) per block. */

@@ -20,10 +20,9 @@ from loading.hf import load
 from loading.hf.registry import ADAPTERS
 from loading.hf_tokenizers import FastTextTokenizer, MarianTextTokenizer
 from loading.tokenizer import TextTokenizer, Tokenizer
-from model.block_quant import BlockLinear
 from model.generator import Generator
 from model.packed_linear import PackedLinear, pack_linear_layers, packing_available
-from model.quantize import quantize_weights
+from model.quantize import Int8Linear, quantize_weights
 from model.translator import Translator
 from tests.hf_folders import build_gpt_neox_folder, build_marian_folder, one_line_error, shakespeare_lines
 from training.data import SHARED_DATA, read_lines
@@ -271,7 +270,7 @@ def test_packed_and_int8_models_keep_an_untied_head_and_the_logits_bias(marian_f
             t, g = loaded_translator(marian_folder)[0], loaded_generator(gpt_neox_folder)[0]
             convert(t)
             convert(g)
-            assert isinstance(g.lm_head, PackedLinear | BlockLinear) and g.output_projection is None
+            assert isinstance(g.lm_head, PackedLinear | Int8Linear) and g.output_projection is None
             for got, want in zip([t(src, tgt), g(ids)], expected, strict=True):
                 error = (got - want).abs()
                 assert error.max() <= ATOL if convert is pack_linear_layers else error.mean() <= 0.05 * want.std(), convert.__name__

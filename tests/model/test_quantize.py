@@ -15,7 +15,7 @@ from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType
 from model.block_quant import BlockLinear, q8_available, set_activation_bits
 from model.config import Quantization
 from model.generator import Generator
-from model.quantize import GGML_TYPES
+from model.quantize import EXACT_FLOAT_K, GGML_TYPES, INT8_KERNEL_ROWS, Int8Linear, int8_matmul
 from model.translator import Translator
 from service.engine.offline import OfflineEngine
 from training.data import SHARED_DATA, read_lines, split_shakespeare
@@ -27,29 +27,51 @@ def test_quantized_linear_layers_are_close_to_the_float_layer() -> None:
     linear = nn.Linear(256, 1024)
     x = torch.randn(5, 7, 256)
     expected = linear(x)
-    for quantization, bound in [("int8", 0.01), ("q4_0", 0.12), ("q4_1", 0.12)]:
-        got = BlockLinear.quantized(linear.weight, linear.bias, GGML_TYPES[quantization])(x)
+    layers = {"int8": Int8Linear.from_linear(linear)}
+    layers |= {q: BlockLinear.quantized(linear.weight, linear.bias, GGML_TYPES[q]) for q in ("q8_0", "q4_0", "q4_1")}
+    for quantization, layer in layers.items():
+        got = layer(x)
         assert got.shape == expected.shape == (5, 7, 1024)
         relative_error = (got - expected).norm() / expected.norm()
-        assert 0 < relative_error < bound, quantization  # rounded, not copied
+        assert 0 < relative_error < (0.02 if quantization in ("int8", "q8_0") else 0.12), quantization  # rounded, not copied
 
 
-def test_a_rows_output_does_not_depend_on_its_batch() -> None:
+@pytest.mark.parametrize("k", [1, 256, EXACT_FLOAT_K, EXACT_FLOAT_K + 1, 2500])
+def test_the_float_gemm_path_gives_torchs_int8_sums_exactly(k: int) -> None:
+    """int8_matmul without torch._int_mm (AVX2-only CPUs) computes the same int32 sums, also at
+    the largest magnitudes: rows and columns of +-127 over all of K."""
+    generator = torch.Generator().manual_seed(k)
+    a = torch.randint(-127, 128, (9, k), dtype=torch.int8, generator=generator)
+    b = torch.randint(-127, 128, (k, 33), dtype=torch.int8, generator=generator)
+    a[0], b[:, 0], b[:, 1] = 127, 127, -127  # sums of +-127^2 k
+    expected = torch._int_mm(a, b).float()
+    assert expected[0, 0] == float(127 * 127 * k) and expected[0, 1] == float(-127 * 127 * k)
+    assert torch.equal(int8_matmul(a, b, use_int_mm=False), expected)
+
+
+@pytest.mark.parametrize("in_features", [64, 96, 1024])
+def test_a_rows_output_does_not_depend_on_its_batch(in_features: int) -> None:
+    """Int8Linear's few rows (the C kernel) and many rows (the GEMMs) give each row the same
+    output, to the bit; so do the block types' rows within a kernel call."""
     torch.manual_seed(0)
-    linear = nn.Linear(64, 32)
-    layer = BlockLinear.quantized(linear.weight, linear.bias, GGML_TYPES["int8"])
-    rows = torch.randn(6, 64)
-    rows[3] *= 100  # one row far larger than the rest
-    batched = layer(rows)
-    for i in range(6):
-        assert torch.equal(layer(rows[i : i + 1])[0], batched[i])
+    linear = nn.Linear(in_features, 40)
+    rows = torch.randn(INT8_KERNEL_ROWS + 4, in_features)
+    rows[3] *= 100  # one row far larger than the rest: a shared scale would crush the others
+    for layer in [Int8Linear.from_linear(linear), BlockLinear.quantized(linear.weight, linear.bias, GGML_TYPES["q8_0"])]:
+        batched = layer(rows if isinstance(layer, Int8Linear) else rows[:6])
+        for i in range(len(batched)):
+            assert torch.equal(layer(rows[i : i + 1])[0], batched[i]), type(layer).__name__
+        assert torch.equal(layer(rows[:5]), batched[:5])
+    int8 = Int8Linear.from_linear(linear)
+    pieces = [int8(rows[:8]), int8(rows[8:])]  # the kernel's rows and the GEMMs' rows
+    assert torch.equal(torch.cat(pieces), int8(rows)) and torch.equal(pieces[0], int8(rows)[:8])
 
 
-@pytest.mark.parametrize("quantization", ["int8", "q4_1"])
-def test_quantize_replaces_every_linear_layer_and_the_output_projection(quantization: Quantization) -> None:
+@pytest.mark.parametrize(("quantization", "layer"), [("int8", Int8Linear), ("q4_1", BlockLinear)])
+def test_quantize_replaces_every_linear_layer_and_the_output_projection(quantization: Quantization, layer: type) -> None:
     model, _ = load_checkpoint(DEFAULT_TRANSLATOR, "cpu", quantization)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert isinstance(model.output_projection, BlockLinear) and model.output_projection.ggml_type == GGML_TYPES[quantization]
+    assert isinstance(model.output_projection, layer)
     assert model.embed.weight.dtype == torch.float32
 
 
@@ -86,7 +108,7 @@ def test_int8_generator_keeps_nats_per_char_within_0_01_of_float32(validation_te
     assert abs(int8 - float32) <= 0.01
 
 
-@pytest.mark.parametrize("quantization", ["int8", "q4_0"])
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
 def test_8_bit_activations_keep_held_out_perplexity_within_1_percent(validation_text: str, quantization: Quantization) -> None:
     """A decode step's activations in 8 bits (EngineConfig.activation_bits): the perplexity of the
     validation split, scored a token at a time as decoding computes it, within 1% of float32 activations."""
