@@ -4,16 +4,18 @@ hyperparameters, tokenizer, chat template and weights.
 - Architectures: the Llama family (general.architecture llama, mistral, qwen2) as our Generator.
   llama.cpp's converter interleaves the rotary halves of a llama/mistral file's q and k rows; their
   rows are put back in the rotate-half order our attention (and transformers) use. qwen2 files keep it.
-- Tensors: Q8_0, Q4_0 and Q4_1 stay in their blocks (model/block_quant.py), read as they lie in the
-  file; F32, F16 and BF16 become float32 layers. q, k and v in one type are stacked as one layer,
-  in several types (a Q4_K_M file's mix) as parts. The file is memory-mapped (copy-on-write) and
+- Tensors: Q8_0, Q4_0, Q4_1 and the k-quants Q4_K, Q5_K, Q6_K (a Q4_K_M file's) stay in their
+  blocks (model/block_quant.py), read as they lie in the file; F32, F16 and BF16 become float32
+  layers. q, k and v in one type are stacked as one layer, in several types (a Q4_K_M file's mix)
+  as parts. The file is memory-mapped (copy-on-write) and
   the model's tensors are its pages where they need no change (every quantized matrix, F32 ones):
   loading copies only the stacked q/k/v and converted F16/BF16 tensors.
 - Tokenizer: tokenizer.ggml.model "gpt2" (byte-level BPE: tokens, merges, the pre-tokenizer that
-  tokenizer.ggml.pre names), built as a tokenizer.json for the `tokenizers` library; special
-  tokens from token_type (control) and the *_token_id keys; tokenizer.chat_template.
+  tokenizer.ggml.pre names) or "llama" (SentencePiece: tokens and scores, merges derived from the
+  scores, byte fallback), built as a tokenizer.json for the `tokenizers` library; special tokens
+  from token_type (control) and the *_token_id keys; tokenizer.chat_template.
 
-Anything else (another architecture, a tensor type such as Q4_K, a SentencePiece vocabulary, rope
+Anything else (another architecture, a tensor type such as Q2_K or IQ4_XS, another vocabulary, rope
 scaling other than linear, a truncated or foreign file, missing keys) is refused with a
 CheckpointError naming it, at configuration time (inspect_gguf) where it can be told from the header.
 This module reads the header and imports no tensor library (the service's configuration reads it in
@@ -35,8 +37,9 @@ BLOCK = 32  # weights in a block of every quantized type read here (model/block_
 INTERLEAVED_ROPE = ("llama", "mistral")  # llama.cpp's converter permuted their q and k rows
 F32, F16, BF16 = 0, 1, 30  # ggml's type ids
 FLOAT_TYPES = {F32: "F32", F16: "F16", BF16: "BF16"}
-SUPPORTED_TYPES = {**FLOAT_TYPES, 8: "Q8_0", 2: "Q4_0", 3: "Q4_1"}
-TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+SUPPORTED_TYPES = {**FLOAT_TYPES, 8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+SUPER_BLOCK_TYPES = (12, 13, 14)  # the k-quants: 256 weights a block
+TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 2, 3, 4  # tokenizer.ggml.token_type values
 REQUIRED_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.eos_token_id")
 # llama.cpp's pre-tokenizers (tokenizer.ggml.pre) as the regexes it splits text with before BPE.
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -104,10 +107,12 @@ def check_gguf(file: GGUFFile) -> None:
     for key in REQUIRED_TOKENIZER_KEYS:
         file.require(key)
     model = file.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise file.error(f"tokenizer.ggml.model {model!r} is not supported; supported: gpt2 (byte-level BPE)")
-    if file.get("tokenizer.ggml.merges") is None:
+    if model not in ("gpt2", "llama"):
+        raise file.error(f"tokenizer.ggml.model {model!r} is not supported; supported: gpt2 (byte-level BPE), llama (SentencePiece)")
+    if model == "gpt2" and file.get("tokenizer.ggml.merges") is None:
         raise file.error("missing metadata key tokenizer.ggml.merges")
+    if model == "llama" and file.get("tokenizer.ggml.scores") is None:
+        raise file.error("missing metadata key tokenizer.ggml.scores")
     pre = str(file.get("tokenizer.ggml.pre", "default"))
     if pre not in PRE_TOKENIZERS:
         raise file.error(f"tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
@@ -121,8 +126,9 @@ def check_gguf(file: GGUFFile) -> None:
         if kind not in SUPPORTED_TYPES:
             name = getattr(tensor.tensor_type, "name", str(kind))
             raise file.error(f"tensor {tensor.name} has type {name}; supported: {', '.join(SUPPORTED_TYPES.values())}")
-        if kind not in FLOAT_TYPES and int(tensor.shape[0]) % BLOCK:
-            raise file.error(f"tensor {tensor.name}: {int(tensor.shape[0])} columns, not a multiple of {BLOCK}")
+        width = 256 if kind in SUPER_BLOCK_TYPES else BLOCK
+        if kind not in FLOAT_TYPES and int(tensor.shape[0]) % width:
+            raise file.error(f"tensor {tensor.name}: {int(tensor.shape[0])} columns, not a multiple of {width}")
     for name in ("token_embd.weight", "output_norm.weight"):
         if name not in file.tensors:
             raise file.error(f"missing tensor {name}")
@@ -179,10 +185,74 @@ def read_config(file: GGUFFile) -> GeneratorConfig:
     )
 
 
+def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[str]:
+    """BPE merges implied by a SentencePiece vocabulary and its scores, as llama.cpp's tokenizer
+    merges (the pair whose merged token scores highest first; transformers' generate_merges)."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores, strict=True):
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
+        merges += [(left, right, score) for left, right in sorted(pairs, key=lambda pair: (ids[pair[0]], ids[pair[1]]))]
+    merges.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [f"{left} {right}" for left, right, _ in merges]
+
+
+def _byte_level_parts(file: GGUFFile, tokens: list[str]) -> dict[str, Any]:
+    """A gpt2 vocabulary's tokenizer.json parts: split by the pre-tokenizer's regexes, bytes as characters."""
+    splits = [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+        for regex in PRE_TOKENIZERS[str(file.get("tokenizer.ggml.pre", "default"))]
+    ]
+    return {
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [*splits, {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}],
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "merges": [str(m) for m in file.require("tokenizer.ggml.merges")],
+            "byte_fallback": False,
+            "fuse_unk": False,
+            "unk_token": None,
+        },
+    }
+
+
+def _sentencepiece_parts(file: GGUFFile, tokens: list[str], types: list[int]) -> dict[str, Any]:
+    """A llama (SentencePiece) vocabulary's tokenizer.json parts, as transformers' Llama converter
+    writes them: a word mark before the text and for every space, bytes by <0xNN> fallback pieces."""
+    unknown = next((tokens[i] for i, kind in enumerate(types) if kind == TOKEN_UNKNOWN), None)
+    return {
+        "normalizer": {
+            "type": "Sequence",
+            "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}],
+        },
+        "pre_tokenizer": None,
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
+        "model": {
+            "merges": sentencepiece_merges(tokens, [float(x) for x in file.require("tokenizer.ggml.scores")]),
+            "byte_fallback": True,
+            "fuse_unk": True,
+            "unk_token": unknown,
+        },
+    }
+
+
 def read_tokenizer(file: GGUFFile) -> FastTextTokenizer:
-    """The file's byte-level BPE vocabulary as a tokenizer.json for the `tokenizers` library."""
+    """The file's vocabulary (gpt2: byte-level BPE; llama: SentencePiece) as a tokenizer.json for
+    the `tokenizers` library."""
     tokens = [str(t) for t in file.require("tokenizer.ggml.tokens")]
-    types = file.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    types = [int(t) for t in file.get("tokenizer.ggml.token_type") or [1] * len(tokens)]
+    byte_level = file.get("tokenizer.ggml.model") == "gpt2"
     alphabet = set(byte_level_alphabet())
     added = [
         {
@@ -195,14 +265,11 @@ def read_tokenizer(file: GGUFFile) -> FastTextTokenizer:
             "special": kind == TOKEN_CONTROL,
         }
         for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
-        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) or not set(token) <= alphabet
+        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) or (byte_level and not set(token) <= alphabet)
     ]
-    splits = [
-        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
-        for regex in PRE_TOKENIZERS[str(file.get("tokenizer.ggml.pre", "default"))]
-    ]
+    parts = _byte_level_parts(file, tokens) if byte_level else _sentencepiece_parts(file, tokens, types)
     bos = file.get("tokenizer.ggml.bos_token_id")
-    adds_bos = bos is not None and bool(file.get("tokenizer.ggml.add_bos_token", False))
+    adds_bos = bos is not None and bool(file.get("tokenizer.ggml.add_bos_token", not byte_level))
     post = None
     if adds_bos:
         bos_token = tokens[int(bos)]
@@ -216,29 +283,22 @@ def read_tokenizer(file: GGUFFile) -> FastTextTokenizer:
             ],
             "special_tokens": {bos_token: {"id": bos_token, "ids": [int(bos)], "tokens": [bos_token]}},
         }
+    model = parts.pop("model")
     spec = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [*splits, {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}],
-        },
+        **parts,
         "post_processor": post,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
             "type": "BPE",
             "dropout": None,
-            "unk_token": None,
             "continuing_subword_prefix": None,
             "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
             "ignore_merges": False,
             "vocab": {token: i for i, token in enumerate(tokens)},
-            "merges": [str(m) for m in file.require("tokenizer.ggml.merges")],
+            **model,
         },
     }
     special = {

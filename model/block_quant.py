@@ -5,6 +5,8 @@ share one fp16 scale (and, Q4_1, an fp16 min), stored with them as in the file:
     Q4_0  18 bytes: d, 16 bytes of q      w = d (q - 8)       4.5
     Q4_1  20 bytes: d, m, 16 bytes of q   w = d q + m         5
 
+and the k-quants of Q4_K_M-style files (Q4_K, Q5_K, Q6_K: super-blocks of 256 weights whose 32s
+or 16s have scales of their own, 4.5 / 5.5 / 6.6 bits a weight; multiplied with float32 activations).
 (a 4-bit block's byte j holds weight j in its low half, weight j + 16 in its high half). A weight
 (out, in) is a uint8 tensor (out, in / 32 * block bytes): the file's bytes, read as they are.
 
@@ -27,19 +29,26 @@ from torch import Tensor, nn
 
 from model import cpu_kernels
 
-BLOCK = 32  # weights a block
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # ggml's type ids (gguf.GGMLQuantizationType)
-BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20}
-TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1"}
+BLOCK = 32  # weights a block (a k-quant's super-block holds 8)
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14  # ggml's type ids (gguf.GGMLQuantizationType)
+BLOCK_BYTES = {Q8_0: 34, Q4_0: 18, Q4_1: 20, Q4_K: 144, Q5_K: 176, Q6_K: 210}  # a block's, a k-quant's super-block's
+K_QUANTS = frozenset({Q4_K, Q5_K, Q6_K})  # super-blocks of 256 weights
+EIGHT_BIT_ACTIVATIONS = frozenset({Q8_0, Q4_0, Q4_1})  # the types block_linear_q8 multiplies
+TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 # Up to this many rows a call go through the kernel; more dequantize slabs of weight rows for torch's
 # GEMM (on the AMD EPYC, 49,152 x 576 Q8_0: the kernel 6.1 ms at 8 rows, 17.2 at 16, the slabs 15.7 at 16).
 KERNEL_ROWS = 8
 SLAB_FLOATS = 1 << 18  # the weights a slab dequantizes at once (1 MB: an L2 cache's worth)
 
 
+def block_weights(ggml_type: int) -> int:
+    """The weights one block of ggml_type holds: 32, a k-quant's super-block 256."""
+    return 256 if ggml_type in K_QUANTS else BLOCK
+
+
 def row_bytes(ggml_type: int, in_features: int) -> int:
-    """Bytes of one weight row of in_features (a multiple of BLOCK) in blocks of ggml_type."""
-    return in_features // BLOCK * BLOCK_BYTES[ggml_type]
+    """Bytes of one weight row of in_features (a multiple of block_weights) in blocks of ggml_type."""
+    return in_features // block_weights(ggml_type) * BLOCK_BYTES[ggml_type]
 
 
 def _halves(blocks: Tensor, start: int, dtype: torch.dtype) -> Tensor:
@@ -48,8 +57,14 @@ def _halves(blocks: Tensor, start: int, dtype: torch.dtype) -> Tensor:
 
 
 def dequantize(blocks: Tensor, ggml_type: int, in_features: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """(out, row_bytes) uint8 blocks -> (out, in_features) weights in dtype, by torch (any device)."""
+    """(out, row_bytes) uint8 blocks -> (out, in_features) weights in dtype, by torch (any device; the
+    k-quants by the gguf package's numpy dequantizer, on the CPU)."""
     out = blocks.shape[0]
+    if ggml_type in K_QUANTS:
+        import gguf.quants
+
+        values = gguf.quants.dequantize(blocks.cpu().numpy(), gguf.GGMLQuantizationType(ggml_type))  # (out, in)
+        return torch.from_numpy(values.astype(np.float32)).to(blocks.device, dtype)
     b = blocks.view(out, in_features // BLOCK, BLOCK_BYTES[ggml_type])  # (out, blocks, bytes)
     d = _halves(b, 0, dtype)  # (out, blocks, 1)
     if ggml_type == Q8_0:
@@ -109,8 +124,8 @@ def _kernel_applies(x: Tensor, blocks: Tensor) -> bool:
 
 def _check(blocks: Tensor, ggml_type: int, in_features: int) -> None:
     if ggml_type not in BLOCK_BYTES or blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
-        raise ValueError("blocks: (out, row_bytes) contiguous uint8 of Q8_0, Q4_0 or Q4_1")
-    if in_features % BLOCK or blocks.shape[1] != row_bytes(ggml_type, in_features):
+        raise ValueError(f"blocks: (out, row_bytes) contiguous uint8 of {', '.join(TYPE_NAMES.values())}")
+    if in_features % block_weights(ggml_type) or blocks.shape[1] != row_bytes(ggml_type, in_features):
         raise ValueError(f"blocks: {blocks.shape[1]} bytes a row, {in_features} input features of {TYPE_NAMES[ggml_type]}")
 
 
@@ -167,7 +182,7 @@ def block_product(
     rows = rows.contiguous()
     bias = None if bias is None else bias.contiguous()
     bias_pointer = None if bias is None else bias.data_ptr()
-    q8 = _q8_kernels() if activation_bits == 8 else None
+    q8 = _q8_kernels() if activation_bits == 8 and ggml_type in EIGHT_BIT_ACTIVATIONS else None
     if q8 is not None:
         quantized = torch.empty(n, in_features, dtype=torch.int8)
         scales = torch.empty(2, n, in_features // BLOCK)  # each block's scale, and scale x sum of its values

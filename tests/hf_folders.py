@@ -229,16 +229,19 @@ def build_llama_folder(
     rope_scaling: dict[str, Any] | None = None,
     tie: bool = False,
     max_positions: int = 128,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
 ) -> Path:
     """architecture "llama", "qwen2" (q/k/v biases, no bos, a ChatML template in
     tokenizer_config.json) or "mistral" (no sliding window); 4 query heads of n_kv_heads key/value
-    heads; rope_scaling: rope_parameters' type and its parameters; max_positions: its context."""
+    heads; rope_scaling: rope_parameters' type and its parameters; max_positions: its context;
+    hidden_size and intermediate_size: its widths."""
     path.mkdir(parents=True, exist_ok=True)
     qwen2 = architecture == "qwen2"
     common: dict[str, Any] = {
         "vocab_size": 832,  # more rows than the tokenizer has ids
-        "hidden_size": 64,
-        "intermediate_size": 128,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": n_kv_heads,

@@ -5,7 +5,12 @@
  *   Q8_0 (34 bytes): d, int8 q[32]                  w = d q
  *   Q4_0 (18 bytes): d, 16 bytes of 4-bit q         w = d (q - 8)
  *   Q4_1 (20 bytes): d, m, 16 bytes of 4-bit q      w = d q + m
- * a 4-bit block's byte j holding weight j in its low half and weight j + 16 in its high half.
+ * a 4-bit block's byte j holding weight j in its low half and weight j + 16 in its high half; and
+ * the k-quants, super-blocks of 256 weights in 8 blocks of 32 (16 of 16 for Q6_K) with 6- or 8-bit
+ * scales of their own (llama.cpp's ggml-quants.c dequantize_row_q4_K, _q5_K, _q6_K):
+ *   Q4_K (144 bytes): d, dmin, 12 bytes of 6-bit scales and mins, 128 of 4-bit q    w = d sc q - dmin m
+ *   Q5_K (176 bytes): the same, and 32 bytes of fifth bits                          w = d sc q - dmin m
+ *   Q6_K (210 bytes): 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d  w = d sc (q - 32)
  * Each block is dequantized in registers (BLOCK / LANES vectors of the CPU's width) and multiplied
  * into ROW_GROUP rows' accumulators, one vector per row and lane group, so a block read from memory
  * feeds several multiply-adds; sums are in float32. Written with gcc's vector extensions, built with
@@ -18,7 +23,8 @@
 #pragma GCC optimize("no-associative-math")
 
 #define BLOCK 32
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 }; /* ggml's type ids */
+#define SUPER 256 /* weights in a k-quant's super-block */
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 }; /* ggml's type ids */
 
 #if defined(__AVX512F__) /* 32 registers of 16 floats: 8 rows take 16 accumulators */
 #define LANES 16
@@ -38,15 +44,23 @@ enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 }; /* ggml's type ids */
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
 
-/* The bytes one block of `type` takes (0 for a type this file does not read). */
+/* The bytes one block (a k-quant: one super-block) of `type` takes (0 for a type this file does not read). */
 static inline int64_t block_bytes(int64_t type) {
     switch (type) {
     case GGML_Q8_0: return 34;
     case GGML_Q4_0: return 18;
     case GGML_Q4_1: return 20;
+    case GGML_Q4_K: return 144;
+    case GGML_Q5_K: return 176;
+    case GGML_Q6_K: return 210;
     default: return 0;
     }
 }
+
+static inline int is_k_quant(int64_t type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
+
+/* The bytes of one weight row of `in` (a multiple of the type's block) in blocks of `type`. */
+static inline int64_t row_bytes_of(int64_t type, int64_t in) { return in / (is_k_quant(type) ? SUPER : BLOCK) * block_bytes(type); }
 
 static inline float half_to_float(const uint8_t *p) {
     _Float16 h;
@@ -79,6 +93,11 @@ static inline void nibbles_of(const uint8_t *p, lane_bytes *parts) { /* PARTS ==
     const __m128i lows = _mm_and_si128(v, low), highs = _mm_and_si128(_mm_srli_epi16(v, 4), low);
     parts[0] = lows, parts[1] = _mm_srli_si128(lows, 8), parts[2] = highs, parts[3] = _mm_srli_si128(highs, 8);
 }
+#endif
+#if defined(__AVX2__) /* and AVX-512 */
+/* Each byte's bits (v >> shift) & mask, and a | b << 4 (b's bytes below 16). */
+static inline lane_bytes byte_bits(lane_bytes v, int shift, int mask) { return _mm_and_si128(_mm_srli_epi16(v, shift), _mm_set1_epi8((char)mask)); }
+static inline lane_bytes or_high(lane_bytes a, lane_bytes b) { return _mm_or_si128(a, _mm_slli_epi16(b, 4)); }
 #else /* portable: a lane at a time */
 typedef struct {
     uint8_t b[LANES];
@@ -101,10 +120,55 @@ static inline lane_bytes load_bytes(const uint8_t *p) {
 static inline void nibbles_of(const uint8_t *p, lane_bytes *parts) {
     for (int i = 0; i < BLOCK; i++) parts[i / LANES].b[i % LANES] = i < BLOCK / 2 ? p[i] & 15 : p[i - BLOCK / 2] >> 4;
 }
+static inline lane_bytes byte_bits(lane_bytes v, int shift, int mask) {
+    for (int i = 0; i < LANES; i++) v.b[i] = (uint8_t)((v.b[i] >> shift) & mask);
+    return v;
+}
+static inline lane_bytes or_high(lane_bytes a, lane_bytes b) {
+    for (int i = 0; i < LANES; i++) a.b[i] = (uint8_t)(a.b[i] | b.b[i] << 4);
+    return a;
+}
 #endif
 
-/* The block's BLOCK weights as PARTS vectors. `type` is a constant where this is inlined. */
-static inline __attribute__((always_inline)) void dequantize_block(int type, const uint8_t *block, vec *w) {
+/* A k-quant's 6-bit scale and min of block j (0..7) from its 12 bytes (ggml's get_scale_min_k4). */
+static inline void k_scale_min(int j, const uint8_t *q, float *scale, float *min) {
+    if (j < 4) {
+        *scale = (float)(q[j] & 63), *min = (float)(q[j + 4] & 63);
+    } else {
+        *scale = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *min = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* Block b (BLOCK weights) of a weight row, as PARTS vectors. `type` is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void dequantize_block(int type, const uint8_t *row, int64_t b, vec *w) {
+    if (is_k_quant(type)) {
+        const uint8_t *super = row + b / 8 * block_bytes(type);
+        const int j = (int)(b % 8); /* the block within its super-block */
+        if (type == GGML_Q6_K) {
+            const int n = j / 4, g = j % 4; /* the super-block's half, and which of its four 32-weight quarters */
+            const uint8_t *low = super + 64 * n + 32 * (g & 1), *high = super + 128 + 32 * n;
+            const int8_t *scales = (const int8_t *)(super + 192) + 8 * n + 2 * g;
+            const float d = half_to_float(super + 208);
+            for (int p = 0; p < PARTS; p++) {
+                const lane_bytes q = or_high(byte_bits(load_bytes(low + p * LANES), 4 * (g >> 1), 15),
+                                             byte_bits(load_bytes(high + p * LANES), 2 * g, 3));
+                w[p] = (widen_unsigned(q) - 32.0f) * (d * (float)scales[p * LANES / 16]);
+            }
+            return;
+        }
+        float scale, min;
+        k_scale_min(j, super + 4, &scale, &min);
+        const float d = half_to_float(super) * scale, m = half_to_float(super + 2) * min;
+        const uint8_t *nibbles = super + (type == GGML_Q5_K ? 48 : 16) + 32 * (j / 2);
+        for (int p = 0; p < PARTS; p++) {
+            lane_bytes q = byte_bits(load_bytes(nibbles + p * LANES), 4 * (j & 1), 15);
+            if (type == GGML_Q5_K) q = or_high(q, byte_bits(load_bytes(super + 16 + p * LANES), j, 1));
+            w[p] = widen_unsigned(q) * d - m;
+        }
+        return;
+    }
+    const uint8_t *block = row + b * block_bytes(type);
     const float d = half_to_float(block);
     if (type == GGML_Q8_0) {
         for (int j = 0; j < PARTS; j++) w[j] = widen_signed(load_bytes(block + 2 + j * LANES)) * d;
@@ -135,7 +199,7 @@ static inline __attribute__((always_inline)) float horizontal_sum(const vec *acc
  * output's sums run in the same order whatever R and O. */
 static inline __attribute__((always_inline)) void rows_dot(int R, int O, int type, const float *x, const uint8_t *w, const float *bias,
                                                            float *y, int64_t in, int64_t out, int64_t o) {
-    const int64_t size = block_bytes(type), row_size = in / BLOCK * size;
+    const int64_t row_size = row_bytes_of(type, in);
     vec acc[ROW_GROUP][OUT_GROUP][PARTS];
     for (int r = 0; r < R; r++)
         for (int q = 0; q < O; q++)
@@ -143,7 +207,7 @@ static inline __attribute__((always_inline)) void rows_dot(int R, int O, int typ
     for (int64_t b = 0; b < in / BLOCK; b++)
         for (int q = 0; q < O; q++) {
             vec weights[PARTS];
-            dequantize_block(type, w + (o + q) * row_size + b * size, weights);
+            dequantize_block(type, w + (o + q) * row_size, b, weights);
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < PARTS; j++)
                     acc[r][q][j] += weights[j] * *(const unaligned_vec *)(x + r * in + b * BLOCK + j * LANES);
@@ -188,24 +252,28 @@ static inline __attribute__((always_inline)) void typed_linear(int type, const f
 }
 
 /* y (rows, out) = x (rows, in) W^T + bias (out, or NULL), W (out, in) in blocks of `type` (Q8_0,
- * Q4_0, Q4_1), in a multiple of BLOCK; all contiguous. Returns 0, or -1 for another type. */
+ * Q4_0, Q4_1; Q4_K, Q5_K, Q6_K), in a multiple of the type's block; all contiguous. Returns 0, or
+ * -1 for another type. */
 int block_linear(const float *x, const uint8_t *w, const float *bias, float *y, int64_t rows, int64_t in, int64_t out, int64_t type) {
     switch (type) {
     case GGML_Q8_0: typed_linear(GGML_Q8_0, x, w, bias, y, rows, in, out); return 0;
     case GGML_Q4_0: typed_linear(GGML_Q4_0, x, w, bias, y, rows, in, out); return 0;
     case GGML_Q4_1: typed_linear(GGML_Q4_1, x, w, bias, y, rows, in, out); return 0;
+    case GGML_Q4_K: typed_linear(GGML_Q4_K, x, w, bias, y, rows, in, out); return 0;
+    case GGML_Q5_K: typed_linear(GGML_Q5_K, x, w, bias, y, rows, in, out); return 0;
+    case GGML_Q6_K: typed_linear(GGML_Q6_K, x, w, bias, y, rows, in, out); return 0;
     default: return -1;
     }
 }
 
 static inline __attribute__((always_inline)) void typed_rows(int type, const uint8_t *w, const int64_t *ids, int64_t n, int64_t in,
                                                              float *dst) {
-    const int64_t size = block_bytes(type), row_size = in / BLOCK * size;
+    const int64_t row_size = row_bytes_of(type, in);
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *w_row = w + (ids != NULL ? ids[i] : i) * row_size;
         for (int64_t b = 0; b < in / BLOCK; b++) {
             vec values[PARTS];
-            dequantize_block(type, w_row + b * size, values);
+            dequantize_block(type, w_row, b, values);
             memcpy(dst + i * in + b * BLOCK, values, sizeof(values));
         }
     }
@@ -219,6 +287,9 @@ int block_rows(const uint8_t *w, const int64_t *ids, int64_t n, int64_t in, int6
     case GGML_Q8_0: typed_rows(GGML_Q8_0, w, ids, n, in, dst); return 0;
     case GGML_Q4_0: typed_rows(GGML_Q4_0, w, ids, n, in, dst); return 0;
     case GGML_Q4_1: typed_rows(GGML_Q4_1, w, ids, n, in, dst); return 0;
+    case GGML_Q4_K: typed_rows(GGML_Q4_K, w, ids, n, in, dst); return 0;
+    case GGML_Q5_K: typed_rows(GGML_Q5_K, w, ids, n, in, dst); return 0;
+    case GGML_Q6_K: typed_rows(GGML_Q6_K, w, ids, n, in, dst); return 0;
     default: return -1;
     }
 }
