@@ -666,6 +666,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "vs-vllm-speculation": vs_vllm_speculation,
     "vs-vllm-copy": lambda: vs_vllm_speculation("vs_vllm_copy", "--copy FOLDER "),
     "gguf-llama-cpp": gguf_llama_cpp,
+    "vs-vllm-gguf": lambda: vs_vllm_speculation("vs_vllm_gguf_Q4_1", "--gguf Q4_1 "),
     "serving": serving,
     "front-door": front_door,
     "overload": overload,
