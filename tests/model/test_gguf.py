@@ -4,7 +4,10 @@ gives for the same file (`gguf_file=`, which dequantizes it), the folder tokeniz
 matrices kept in blocks; the block kernels compute what the gguf package's dequantizer says; files
 the service cannot serve are refused with one line naming the problem."""
 
+import ctypes
 import io
+import platform
+import shutil
 import struct
 from pathlib import Path
 
@@ -23,10 +26,11 @@ from loading.checkpoint import load_checkpoint
 from loading.folder import CheckpointError, inspect_folder
 from loading.gguf_load import load_gguf
 from loading.hf.load import load_hf_folder
-from model import block_quant
+from model import block_quant, cpu_kernels
 from model.block_quant import BLOCK_BYTES, BlockEmbedding, BlockLinear, ConcatenatedLinear, block_product, dequantize, dequantize_rows
 from model.generator import Generator
 from model.packed_linear import pack_linear_layers, packing_available
+from model.quantize import Int8Linear
 from service.config import ModelServingConfig
 from service.engine.offline import OfflineEngine
 from service.engine.request import GenerationParams
@@ -426,3 +430,70 @@ def test_a_sentencepiece_vocabulary_gives_transformers_and_sentencepieces_ids(fi
     text = "  two  spaces, a tab\tand ÜNÏCÖDÉ ½ €5"
     ids = ours.encode(text)
     assert b"".join(ours.piece_bytes(i) for i in ids) == (" " + text).encode() and ours.decode(ids) == text
+
+
+def _vector_targets() -> list[str]:
+    """gcc -march targets this CPU runs: SSE (the portable lanes), AVX2, AVX-512 where it has them."""
+    if platform.machine() != "x86_64":
+        return []
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    return ["x86-64"] + ["x86-64-v3"] * ("avx2" in flags and "fma" in flags) + ["x86-64-v4"] * ("avx512f" in flags)
+
+
+@pytest.mark.parametrize("target", _vector_targets())
+def test_the_block_kernels_built_for_each_vector_width_compute_the_reference(target: str, tmp_path: Path) -> None:
+    """block_linear (every type, every row group), block_rows, and where the build has them
+    (AVX2 and up) block_linear_q8 and int8_linear, built for each width this CPU runs, not only its
+    widest, against the gguf package's dequantizer and torch's products."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    library = ctypes.CDLL(str(cpu_kernels.build(compiler, tmp_path, march=target)))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    linear, rows_of, available = library.block_linear, library.block_rows, library.block_linear_q8_available
+    linear.restype, linear.argtypes = ctypes.c_int, [pointer] * 4 + [size] * 4
+    rows_of.restype, rows_of.argtypes = ctypes.c_int, [pointer, pointer, size, size, size, pointer]
+    available.restype, available.argtypes = ctypes.c_int, []
+    torch.manual_seed(0)
+    in_features, out_features = 256, 37
+    for ggml_type in [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1, *K_QUANTS]:
+        if ggml_type in K_QUANTS:
+            blocks = random_k_blocks(ggml_type, out_features, in_features, ggml_type)
+        else:
+            blocks = block_quant.quantize(torch.randn(out_features, in_features), ggml_type)
+        reference = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(ggml_type)).astype(np.float32))
+        dense = torch.empty(out_features, in_features)
+        assert rows_of(blocks.data_ptr(), None, out_features, in_features, ggml_type, dense.data_ptr()) == 0
+        torch.testing.assert_close(dense, reference, atol=1e-6, rtol=1e-6)
+        bias = torch.randn(out_features)
+        for rows in [1, 2, 3, 5, 8, 9, 13]:
+            x, y = torch.randn(rows, in_features), torch.empty(rows, out_features)
+            assert linear(x.data_ptr(), blocks.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, in_features, out_features, ggml_type) == 0
+            torch.testing.assert_close(y, x @ reference.T + bias, atol=1e-4, rtol=1e-4)
+    if not available():
+        assert target == "x86-64"  # the 8-bit kernels need AVX2
+        return
+    quantize_rows, linear_q8, int8 = library.quantize_rows_q8, library.block_linear_q8, library.int8_linear
+    quantize_rows.restype, quantize_rows.argtypes = None, [pointer, size, size, pointer, pointer, pointer]
+    linear_q8.restype, linear_q8.argtypes = ctypes.c_int, [pointer] * 6 + [size] * 4
+    int8.restype, int8.argtypes = ctypes.c_int, [pointer] * 6 + [size] * 3
+    for rows in [1, 2, 3, 4, 5, 9]:
+        x = torch.randn(rows, in_features)
+        quantized, scales = torch.empty(rows, in_features, dtype=torch.int8), torch.empty(2, rows, in_features // 32)
+        quantize_rows(x.data_ptr(), rows, in_features, quantized.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
+        x8 = gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+        for ggml_type in [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1]:
+            blocks = block_quant.quantize(torch.randn(out_features, in_features), ggml_type)
+            y = torch.empty(rows, out_features)
+            args = (quantized.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), blocks.data_ptr(), None, y.data_ptr())
+            assert linear_q8(*args, rows, in_features, out_features, ggml_type) == 0
+            torch.testing.assert_close(y, torch.from_numpy(x8) @ dequantize(blocks, ggml_type, in_features).T, atol=1e-3, rtol=1e-4)
+        layer = Int8Linear.from_linear(torch.nn.Linear(in_features, out_features))
+        row_scale = x.abs().amax(dim=-1, keepdim=True) / 127
+        xq = torch.round(x / row_scale).to(torch.int8)
+        y = torch.empty(rows, out_features)
+        bias = layer.bias
+        assert bias is not None
+        args = (xq.data_ptr(), row_scale.data_ptr(), layer.weight.data_ptr(), layer.scale.data_ptr(), bias.data_ptr(), y.data_ptr())
+        assert int8(*args, rows, in_features, out_features) == 0
+        assert torch.equal(y, (xq.float() @ layer.weight.float().T) * (row_scale * layer.scale) + bias)
