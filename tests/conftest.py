@@ -36,6 +36,7 @@ FULL_TIER = {
     "tests/service/test_logprobs.py": "logprobs through the real app against the model offline",
     "tests/service/test_lm_eval.py": "lm-evaluation-harness's client scoring a task through the real app (20 s)",
     "tests/service/test_own_models.py": "python -m service on Hugging Face folders built in the test, its own Ray (1-2 minutes)",
+    "tests/service/test_gguf_service.py": "python -m service on a GGUF file and a folder quantized at load, its own Ray (1 minute)",
     "tests/service/test_structured_outputs.py": "python -m service on three Llama-family folders, its own Ray; the hostile corpus (90 s)",
     "tests/service/test_tool_formats.py": "python -m service on four Llama folders, one per tool-call format's template, its own Ray",
     "tests/test_benchmarks_run.py": "every benchmark command the README lists, in its quickest form (3.5 minutes)",
@@ -70,7 +71,12 @@ def device(request: pytest.FixtureRequest) -> str:
 # (tests/service/conftest.py), the two-node clusters (one at a time), each other module's fixtures.
 # Groups start longest first (durations measured on a 2-core machine), the rest in file order.
 SESSION_APP = "tests/service/"  # its modules that start their own service are module groups
-OWN_SERVICE = ("tests/service/test_own_models.py", "tests/service/test_structured_outputs.py", "tests/service/test_tool_formats.py")
+OWN_SERVICE = (
+    "tests/service/test_own_models.py",
+    "tests/service/test_gguf_service.py",
+    "tests/service/test_structured_outputs.py",
+    "tests/service/test_tool_formats.py",
+)
 LONGEST_FIRST = (
     "session-app",  # about 900 s: the 5-minute soak, metrics, faults, lm-eval, Locust, fuzzing
     "cluster",  # about 600 s: both two-node clusters
