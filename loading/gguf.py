@@ -22,7 +22,6 @@ This module reads the header and imports no tensor library (the service's config
 processes that never load a model); loading/gguf_load.py builds the model.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -153,7 +152,10 @@ def read_config(file: GGUFFile) -> GeneratorConfig:
     extra_eos = tuple(
         int(i) for key in ("eot_token_id", "eom_token_id") if (i := file.get(f"tokenizer.ggml.{key}")) is not None and int(i) != eos
     )
-    token_id: Callable[[str], int] = lambda key: int(file.get(f"tokenizer.ggml.{key}", eos))  # noqa: E731
+
+    def token_id(key: str) -> int:
+        return int(file.get(f"tokenizer.ggml.{key}", eos))
+
     linear = a("rope.scaling.type", "none") == "linear"
     return GeneratorConfig(
         vocab_size=len(file.require("tokenizer.ggml.tokens")),

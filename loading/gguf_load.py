@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from loading.gguf import BF16, FLOAT_TYPES, INTERLEAVED_ROPE, GGUFFile, inspect_gguf, read_config, read_tokenizer
-from loading.hf.load import _parameters_on_meta
+from loading.hf.load import parameters_on_meta
 from loading.hf_tokenizers import FastTextTokenizer
 from model.block_quant import BLOCK_BYTES, BlockEmbedding, BlockLinear, ConcatenatedLinear
 from model.generator import Generator
@@ -96,7 +96,7 @@ def load_gguf(path: Path, device: str | torch.device = "cpu") -> tuple[Generator
     file = inspect_gguf(path)
     config = read_config(file)
     tokenizer = read_tokenizer(file)
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = Generator(config)
     c, permuted = config, file.architecture in INTERLEAVED_ROPE
     kind = int(file.tensors["token_embd.weight"].tensor_type)

@@ -155,7 +155,7 @@ def _on_meta(_module: nn.Module, _name: str, parameter: nn.Parameter) -> nn.Para
 
 
 @contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta() -> Iterator[None]:
     """Modules built inside register their parameters on the meta device (no memory; their random
     initialisation is skipped) and their buffers as usual, so that what a model computes at init
     (position tables) is real. The hook is global: no other thread may build modules meanwhile."""
@@ -181,7 +181,7 @@ def load_hf_folder(
     if isinstance(config, TranslatorConfig):
         config = replace(config, source_lang=info.source_lang or config.source_lang, target_lang=info.target_lang or config.target_lang)
     files, source = weight_files(folder)
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = Translator(config) if isinstance(config, TranslatorConfig) else Generator(config)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
     weights = _plan(adapter.table, config, files, source, shapes)
