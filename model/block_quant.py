@@ -295,7 +295,7 @@ class BlockEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         """ids (...) -> (..., embedding_dim) float32."""
         rows = ids.reshape(-1)  # (N,)
-        if _kernel_applies(self.blocks.new_empty(0, dtype=torch.float32), self.blocks):
+        if kernels_built() and self.blocks.device.type == "cpu":
             found = block_embedding(self.blocks, rows, self.embedding_dim, self.ggml_type)  # an operation under torch.compile
         else:
             found = dequantize_rows(self.blocks, self.ggml_type, self.embedding_dim, rows)

@@ -164,12 +164,13 @@ SERVICE_START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
 
 
 @contextmanager
-def python_m_service(models: dict[str, Path]) -> Iterator[str]:
-    """`python -m service` on these folders (name -> folder), as a user starts it (its own Ray, one
-    torch thread, on the CPU), until it says it serves every model; yields its URL and stops it."""
+def python_m_service(models: dict[str, Path], options: tuple[str, ...] = ()) -> Iterator[str]:
+    """`python -m service` on these folders or files (name -> path), with further command-line
+    options, as a user starts it (its own Ray, one torch thread, on the CPU), until it says it
+    serves every model; yields its URL and stops it."""
     port = free_port()
     command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(free_port()), "--device", "cpu"]
-    command += ["--torch-threads", "1", *(arg for name, folder in models.items() for arg in ("--model", f"{name}={folder}"))]
+    command += ["--torch-threads", "1", *options, *(arg for name, folder in models.items() for arg in ("--model", f"{name}={folder}"))]
     environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
     assert process.stdout is not None

@@ -10,6 +10,7 @@ import platform
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -103,20 +104,33 @@ def test_quantized_matrices_stay_in_their_blocks_at_the_files_size(files: dict[t
         assert isinstance(model.output_projection, BlockLinear)
 
 
+def copy_of(source: Path, out: Path, architecture: str = "llama", skip: tuple[str, ...] = ()) -> tuple[Any, Any]:
+    """A reader of source and a writer of out holding source's metadata (but keys starting with one
+    of `skip`) under `architecture`; the caller adds the tensors and calls write_out."""
+    reader, writer = gguf.GGUFReader(source), gguf.GGUFWriter(str(out), architecture)
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "general.architecture", *skip)):
+            continue
+        name = field.name.replace("llama.", f"{architecture}.", 1)
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        else:
+            writer.add_key_value(name, field.contents(), field.types[0])
+    return reader, writer
+
+
+def write_out(writer: Any) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def test_a_file_mixing_types_keeps_each_tensor_in_its_own(folders: dict[str, Path], tmp_path: Path) -> None:
     """A Q4_K_M-like mix: v in Q8_0 beside q and k in Q4_0 makes the qkv projection of parts."""
     path = export_gguf(folders["llama"], tmp_path / "mixed.gguf", "Q4_0")
     mixed = tmp_path / "mixed-v.gguf"
-    reader = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(str(mixed), "llama")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        value_type = field.types[0]
-        if value_type == gguf.GGUFValueType.ARRAY:
-            writer.add_array(field.name, field.contents())
-        else:
-            writer.add_key_value(field.name, field.contents(), value_type)
+    reader, writer = copy_of(path, mixed)
     reference, _ = load_gguf(path)
     for tensor in reader.tensors:
         if tensor.name.endswith("attn_v.weight"):
@@ -126,10 +140,7 @@ def test_a_file_mixing_types_keeps_each_tensor_in_its_own(folders: dict[str, Pat
             )
         else:
             writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     model, _ = load_gguf(mixed)
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, ConcatenatedLinear) and [p.ggml_type for p in qkv.parts] == [
@@ -217,26 +228,14 @@ def _rewritten(
     source: Path, out: Path, drop: frozenset[str] = frozenset(), architecture: str = "llama", extra_tensor: tuple[str, int] | None = None
 ) -> Path:
     """source written again without the keys `drop`, under `architecture`, with an extra tensor of a type."""
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(str(out), architecture)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in drop:
-            continue
-        name = field.name.replace("llama.", f"{architecture}.", 1)
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_array(name, field.contents())
-        else:
-            writer.add_key_value(name, field.contents(), field.types[0])
+    reader, writer = copy_of(source, out, architecture, tuple(drop))
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
     if extra_tensor is not None:
         name, ggml_type = extra_tensor
         size, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
         writer.add_tensor(name, np.zeros((4, 256 // size * block_bytes), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType(ggml_type))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return out
 
 
@@ -336,16 +335,8 @@ def test_a_k_quant_file_gives_transformers_logits(tmp_path: Path) -> None:
     place of the exported weights): our logits are those transformers computes from the same file."""
     folder = build_llama_folder(tmp_path / "wide", hidden_size=256, intermediate_size=512, tie=True)
     source = export_gguf(folder, tmp_path / "f32.gguf", "F32")
-    reader = gguf.GGUFReader(source)
     path = tmp_path / "k.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_array(field.name, field.contents())
-        else:
-            writer.add_key_value(field.name, field.contents(), field.types[0])
+    reader, writer = copy_of(source, path)
     for i, tensor in enumerate(reader.tensors):
         rows, columns = (int(n) for n in reversed(tensor.shape)) if len(tensor.shape) == 2 else (0, 0)
         if not rows:
@@ -361,10 +352,7 @@ def test_a_k_quant_file_gives_transformers_logits(tmp_path: Path) -> None:
         )
         blocks = random_k_blocks(kind, rows, columns, i).numpy()
         writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType(kind))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     model, _ = load_gguf(path)
     kinds = {m.ggml_type for m in model.modules() if isinstance(m, BlockLinear)}
     assert kinds == set(K_QUANTS) and isinstance(model.embed, BlockEmbedding)
@@ -393,16 +381,8 @@ def test_a_sentencepiece_vocabulary_gives_transformers_and_sentencepieces_ids(fi
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(len(pieces))]
-    reader = gguf.GGUFReader(files["llama", "F32"])
     path = tmp_path / "spm.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for field in reader.fields.values():
-        if field.name.startswith(("GGUF.", "tokenizer.")) or field.name == "general.architecture":
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_array(field.name, field.contents())
-        else:
-            writer.add_key_value(field.name, field.contents(), field.types[0])
+    reader, writer = copy_of(files["llama", "F32"], path, skip=("tokenizer.",))
     writer.add_tokenizer_model("llama")
     writer.add_token_list(pieces)
     writer.add_token_scores([sp.get_score(i) for i in range(len(pieces))])
@@ -413,10 +393,7 @@ def test_a_sentencepiece_vocabulary_gives_transformers_and_sentencepieces_ids(fi
     writer.add_add_bos_token(True)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     _, ours = load_gguf(path)
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in [*TEXTS, *shakespeare_lines()[4000:4200]]:

@@ -4,10 +4,6 @@ exports.gguf) and once quantized to Q4_0 at load. Through the official openai cl
 greedy completions and chats are what the offline engine computes on the same file and folder
 with the service's defaults (the blocks, 8-bit activations); the chat template comes from the file."""
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +16,13 @@ from decoding.sampling_params import GREEDY
 from exports.gguf import export_gguf
 from loading.checkpoint import load_checkpoint
 from loading.gguf_load import load_gguf
-from loadtests.cluster import free_port
 from model.block_quant import BlockLinear, set_activation_bits
 from service.engine.config import EngineConfig
 from service.engine.offline import OfflineEngine
 from service.engine.request import GenerationParams
+from tests.helpers import python_m_service
 from tests.hf_folders import build_llama_folder
 
-START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
 PROMPTS = ["ROMEO:\n", "First Citizen:\nBefore we proceed any further, hear me speak."]
 CHAT = [{"role": "user", "content": "What light through yonder window breaks?"}]
 
@@ -44,25 +39,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     root = tmp_path_factory.mktemp("gguf-service")
     folder = build_llama_folder(root / "llama-tiny")
     gguf = export_gguf(folder, root / "llama-tiny-Q4_1.gguf", "Q4_1")
-    port, metrics_port = free_port(), free_port()
-    command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(metrics_port), "--device", "cpu"]
-    command += ["--torch-threads", "1", "--quantization", "q4_0", "--model", f"from-gguf={gguf}", "--model", f"quantized={folder}"]
-    environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as a user's command starts
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
-    assert process.stdout is not None
-    url, lines = f"http://127.0.0.1:{port}", []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        for line in process.stdout:  # the command prints "Serving on" once every model is ready
-            lines.append(line)
-            if line.startswith("Serving on"):
-                break
-            assert time.monotonic() < deadline, "".join(lines[-30:])
-        assert process.poll() is None, "".join(lines[-30:])
+    with python_m_service({"from-gguf": gguf, "quantized": folder}, ("--quantization", "q4_0")) as url:
         yield Served(url, gguf, folder)
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
 def offline(served: Served, name: str) -> OfflineEngine:
