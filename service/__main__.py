@@ -197,13 +197,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"python -m service: {error}") from None
     if API_KEYS_ENV in os.environ:  # set but holding no key: refused, rather than serving without keys
         config = config.model_copy(update={"api_keys_env": API_KEYS_ENV}).with_environment_keys(os.environ)
-    os.environ.update(LOCAL_RAY_ENVIRONMENT)  # before Ray is imported
+    # Before Ray is imported: Serve reads its settings when imported, and the handles this process
+    # builds keep the transport it read (RAY_SERVE_USE_GRPC_BY_DEFAULT).
+    os.environ.update(LOCAL_RAY_ENVIRONMENT | RAY_ENVIRONMENT)
     import ray
     from ray import serve
 
     from service.app import build_app
 
-    os.environ.update(RAY_ENVIRONMENT)
     proxy_port = None if args.through_proxy else free_port(args.host)
     if proxy_port is not None:
         os.environ.update(direct_ingress_environment(args.port))

@@ -5,12 +5,13 @@ import pytest
 import torch
 
 try:
-    from service.config import LOCAL_RAY_ENVIRONMENT
+    from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT
 except ImportError:  # no pydantic, hence no Ray either: the GPU check runs tests/model and tests/engine only
-    LOCAL_RAY_ENVIRONMENT = {}
+    LOCAL_RAY_ENVIRONMENT = RAY_ENVIRONMENT = {}
 
-# Before anything imports Ray: the tests' own Ray listens on 127.0.0.1 only (service/config.py).
-os.environ.update(LOCAL_RAY_ENVIRONMENT)
+# Before anything imports Ray (Serve reads its settings when imported): the tests' own Ray listens
+# on 127.0.0.1 only and runs as `python -m service` runs it (service/config.py).
+os.environ.update(LOCAL_RAY_ENVIRONMENT | RAY_ENVIRONMENT)
 # One intra-op thread, as a Serve replica runs (Ray sets OMP_NUM_THREADS to its num_cpus): on a
 # busy 2-core machine, two threads that wait for each other at every operation ran the engine's
 # checkpoint tests 50 times slower (70 s instead of 1.5 s).

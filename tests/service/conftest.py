@@ -1,6 +1,5 @@
 """One real Serve application for the whole test session (Ray starts once)."""
 
-import os
 import time
 from collections.abc import Iterator
 
@@ -8,7 +7,6 @@ import httpx
 import pytest
 
 from loadtests.cluster import free_port
-from service.config import RAY_ENVIRONMENT
 from tests.helpers import APP_NAME, TEST_CONFIG
 
 SESSION: dict[str, str] = {}  # what the running session exposes besides its URL
@@ -21,7 +19,6 @@ def service_url() -> Iterator[str]:
 
     from service.app import build_app
 
-    os.environ.update(RAY_ENVIRONMENT)
     port = free_port()
     metrics_port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", _metrics_export_port=metrics_port, logging_level="warning")
