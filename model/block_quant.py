@@ -167,12 +167,19 @@ block_embedding = cpu_kernels.register_operator("block_embedding", embedding_row
 
 
 def block_product(
-    rows: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int, ggml_type: int, activation_bits: int = 32
+    rows: Tensor,
+    blocks: Tensor,
+    bias: Tensor | None,
+    out_features: int,
+    ggml_type: int,
+    activation_bits: int = 32,
+    kernel_rows: int = KERNEL_ROWS,
 ) -> Tensor:
     """rows (N, in) float32 times the weight in blocks (out_features, row_bytes), plus bias: (N, out_features).
-    activation_bits 32: up to KERNEL_ROWS rows by the C kernel, more through slabs of dequantized rows
+    activation_bits 32: up to kernel_rows rows by the C kernel, more through slabs of dequantized rows
     and torch's GEMM. 8 (where q8_available()): the rows quantized to 8 bits in blocks of 32, every
-    row by integer dot products (llama.cpp's way); elsewhere as 32."""
+    row by integer dot products (llama.cpp's way); elsewhere as 32. operators.cpp's block_linear
+    kernel equals this."""
     n, in_features = rows.shape
     _check(blocks, ggml_type, in_features)
     if blocks.shape[0] != out_features or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features)):
@@ -201,7 +208,7 @@ def block_product(
             ggml_type,
         )
         return y
-    if n > KERNEL_ROWS:
+    if n > kernel_rows:
         slab = max(1, SLAB_FLOATS // in_features)
         weights = rows.new_empty(slab, in_features)  # one buffer for every slab: a fresh one would fault its pages in each time
         pieces = []
@@ -216,7 +223,13 @@ def block_product(
 
 
 def _product_shape(
-    rows: Tensor, blocks: Tensor, bias: Tensor | None, out_features: int, ggml_type: int, activation_bits: int = 32
+    rows: Tensor,
+    blocks: Tensor,
+    bias: Tensor | None,
+    out_features: int,
+    ggml_type: int,
+    activation_bits: int = 32,
+    kernel_rows: int = KERNEL_ROWS,
 ) -> Tensor:
     return rows.new_empty(rows.shape[0], out_features)
 
@@ -253,7 +266,7 @@ class BlockLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (N, in)
         if _kernel_applies(rows, self.blocks):
             bits = self.activation_bits if rows.shape[0] <= KERNEL_ROWS else 32  # a prompt: the slabs, faster there
-            y = block_linear(rows, self.blocks, self.bias, self.out_features, self.ggml_type, bits)
+            y = block_linear(rows, self.blocks, self.bias, self.out_features, self.ggml_type, bits, KERNEL_ROWS)
         else:
             weight = dequantize(self.blocks, self.ggml_type, self.in_features, x.dtype)  # (out, in)
             y = F.linear(rows, weight, None if self.bias is None else self.bias.to(x.dtype))

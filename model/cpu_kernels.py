@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 OPERATORS_SOURCE = Path(__file__).parent / "csrc" / "operators.cpp"
-NATIVE_OPERATORS = frozenset({"panel_linear", "paged_decode_attention"})  # those operators.cpp implements
+NATIVE_OPERATORS = frozenset({"panel_linear", "paged_decode_attention", "block_linear", "int8_linear"})  # those operators.cpp implements
 # -ffast-math lets gcc vectorise expf (glibc's libmvec) and the reductions; it is given to the
 # compile only, not the link, so that the library does not switch the process's floating point
 # to flush denormals (gcc links crtfastmath.o into a -ffast-math link).

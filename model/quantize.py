@@ -88,9 +88,10 @@ def int8_rows_product(quantized: Tensor, row_scale: Tensor, weight: Tensor, scal
     if weight.dtype != torch.int8 or weight.shape[1] != in_features or in_features % BLOCK or scale.numel() != weight.shape[0]:
         raise ValueError(f"int8_linear: weight (out, {in_features}) int8, in a multiple of {BLOCK}, a scale per output")
     y = torch.empty(n, weight.shape[0])
-    xscale, wscale = row_scale.reshape(-1).contiguous(), scale.reshape(-1).contiguous()
+    # Each pointer's tensor held in a name until the kernel returns (a temporary's memory would be freed).
+    rows, xscale, wscale = quantized.contiguous(), row_scale.reshape(-1).contiguous(), scale.reshape(-1).contiguous()
     bias_pointer = None if bias is None else bias.data_ptr()
-    args = (quantized.contiguous().data_ptr(), xscale.data_ptr(), weight.data_ptr(), wscale.data_ptr(), bias_pointer, y.data_ptr())
+    args = (rows.data_ptr(), xscale.data_ptr(), weight.data_ptr(), wscale.data_ptr(), bias_pointer, y.data_ptr())
     kernel(*args, n, in_features, weight.shape[0])
     return y
 

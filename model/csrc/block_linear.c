@@ -62,6 +62,13 @@ static inline int is_k_quant(int64_t type) { return type == GGML_Q4_K || type ==
 /* The bytes of one weight row of `in` (a multiple of the type's block) in blocks of `type`. */
 static inline int64_t row_bytes_of(int64_t type, int64_t in) { return in / (is_k_quant(type) ? SUPER : BLOCK) * block_bytes(type); }
 
+/* row_bytes_of for callers that check their arguments: -1 for a type this file does not read, or an
+ * `in` below one block or not a multiple of the type's block. */
+int64_t block_row_bytes(int64_t type, int64_t in) {
+    const int64_t weights = is_k_quant(type) ? SUPER : BLOCK;
+    return block_bytes(type) == 0 || in < weights || in % weights ? -1 : row_bytes_of(type, in);
+}
+
 static inline float half_to_float(const uint8_t *p) {
     _Float16 h;
     memcpy(&h, p, sizeof(h));
@@ -463,6 +470,11 @@ int block_linear_q8_available(void) {
 #else
     return 0;
 #endif
+}
+
+/* Whether block_linear_q8 multiplies weights of `type` in this build. */
+int block_linear_q8_reads(int64_t type) {
+    return block_linear_q8_available() && (type == GGML_Q8_0 || type == GGML_Q4_0 || type == GGML_Q4_1);
 }
 
 /* block_linear with x given as quantize_rows_q8's xq, xd, xs (rows of in): y (rows, out) = x W^T +

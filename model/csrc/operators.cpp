@@ -1,18 +1,23 @@
-/* The CPU kernels of the operators torch.ops.transformer_serving.panel_linear and
- * paged_decode_attention, in C++: a call, from a compiled graph or eagerly, goes from torch's
- * dispatcher to the C kernel (panel_linear.c, paged_attention.c) without Python: 1.4-2 us a call
- * more than the C kernel alone, where their Python functions (model/packed_linear.py,
- * model/paged_attention_cpu.py) cost 6-7 us more (a compiled decode step of the shipped generator
- * makes 31 calls: docs/performance.md). The operators' schemas are defined in Python
- * (model/cpu_kernels.py: register_operator), from those functions, which these kernels equal.
- * Built and loaded by model/cpu_kernels.py, linked against the C kernels' library. */
+/* The CPU kernels of the operators torch.ops.transformer_serving.panel_linear,
+ * paged_decode_attention, block_linear and int8_linear, in C++: a call, from a compiled graph or
+ * eagerly, goes from torch's dispatcher to the C kernel (panel_linear.c, paged_attention.c,
+ * block_linear.c) without Python: 1.4-2 us a call more than the C kernel alone, where their Python
+ * functions (model/packed_linear.py, model/paged_attention_cpu.py, model/block_quant.py,
+ * model/quantize.py) cost 6-7 us more (a compiled decode step of the shipped generator makes 31
+ * calls: docs/performance.md), block_product, which also quantizes the rows, 15-20 us more. The
+ * operators' schemas are defined in Python (model/cpu_kernels.py: register_operator), from those
+ * functions, which these kernels equal. Built and loaded by model/cpu_kernels.py, linked against
+ * the C kernels' library. */
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <vector>
 
 extern "C" {
 void panel_linear(const float *x, const float *panels, const float *bias, float *y, int64_t rows, int64_t in, int64_t out);
@@ -20,6 +25,15 @@ int64_t panel_linear_max_rows(void);
 int paged_decode_attention(const float *q, const float *keys, const float *values, const int64_t *block_tables, int64_t table_stride,
                            const int64_t *lengths, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
                            int64_t num_blocks, float scale);
+int64_t block_row_bytes(int64_t type, int64_t in);
+int block_linear(const float *x, const uint8_t *w, const float *bias, float *y, int64_t rows, int64_t in, int64_t out, int64_t type);
+int block_rows(const uint8_t *w, const int64_t *ids, int64_t n, int64_t in, int64_t type, float *dst);
+int block_linear_q8_reads(int64_t type);
+void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, float *xd, float *xs);
+int block_linear_q8(const int8_t *xq, const float *xd, const float *xs, const uint8_t *w, const float *bias, float *y, int64_t rows,
+                    int64_t in, int64_t out, int64_t type);
+int int8_linear(const int8_t *xq, const float *xscale, const int8_t *w, const float *wscale, const float *bias, float *y, int64_t rows,
+                int64_t in, int64_t out);
 }
 
 namespace {
@@ -69,9 +83,78 @@ at::Tensor paged_decode_attention_kernel(const at::Tensor &input, const at::Tens
     return out;
 }
 
+constexpr int64_t SLAB_FLOATS = 1 << 18; /* model/block_quant.py's: the weights a slab dequantizes at once */
+
+/* y (N, out_features) = rows (N, in) W^T + bias, W (out_features, row bytes) in blocks of ggml_type:
+ * block_product's contract (model/block_quant.py), which this equals to the bit. */
+at::Tensor block_linear_kernel(const at::Tensor &input, const at::Tensor &blocks, const std::optional<at::Tensor> &bias,
+                               int64_t out_features, int64_t ggml_type, int64_t activation_bits, int64_t kernel_rows) {
+    TORCH_CHECK_VALUE(input.dim() == 2 && input.scalar_type() == at::kFloat, "block_linear: rows (N, in) float32");
+    const int64_t in = input.size(1), row_size = block_row_bytes(ggml_type, in);
+    TORCH_CHECK_VALUE(row_size > 0, "block_linear: ", in, " input features in blocks of GGML type ", ggml_type,
+                      ": a type the kernels do not read, or not a multiple of its block");
+    TORCH_CHECK_VALUE(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.size(0) == out_features &&
+                          blocks.size(1) == row_size,
+                      "block_linear: blocks (out_features, ", row_size, " bytes a row) contiguous uint8");
+    TORCH_CHECK_VALUE(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == out_features),
+                      "block_linear: bias (out_features,) contiguous float32");
+    const at::Tensor rows = input.contiguous();
+    const int64_t n = rows.size(0);
+    const uint8_t *w = blocks.const_data_ptr<uint8_t>();
+    const float *x = rows.const_data_ptr<float>(), *b = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+    if (activation_bits == 8 && block_linear_q8_reads(ggml_type)) { /* every row by integer dot products */
+        at::Tensor quantized = at::empty({n, in}, rows.options().dtype(at::kChar)), scales = at::empty({2, n, in / 32}, rows.options());
+        float *d = scales.mutable_data_ptr<float>();
+        quantize_rows_q8(x, n, in, quantized.mutable_data_ptr<int8_t>(), d, d + n * (in / 32));
+        at::Tensor y = at::empty({n, out_features}, rows.options());
+        block_linear_q8(quantized.const_data_ptr<int8_t>(), d, d + n * (in / 32), w, b, y.mutable_data_ptr<float>(), n, in, out_features,
+                        ggml_type);
+        return y;
+    }
+    if (n > kernel_rows) { /* slabs of dequantized rows through torch's GEMM */
+        const int64_t slab = std::max<int64_t>(1, SLAB_FLOATS / in);
+        at::Tensor weights = at::empty({slab, in}, rows.options());
+        std::vector<at::Tensor> pieces;
+        for (int64_t o = 0; o < out_features; o += slab) {
+            const int64_t k = std::min(slab, out_features - o);
+            block_rows(w + o * row_size, nullptr, k, in, ggml_type, weights.mutable_data_ptr<float>());
+            pieces.push_back(at::mm(rows, weights.narrow(0, 0, k).t())); /* (N, k) */
+        }
+        at::Tensor y = at::cat(pieces, 1); /* (N, out) */
+        return bias.has_value() ? y.add(*bias) : y;
+    }
+    at::Tensor y = at::empty({n, out_features}, rows.options());
+    block_linear(x, w, b, y.mutable_data_ptr<float>(), n, in, out_features, ggml_type);
+    return y;
+}
+
+/* y (N, out) = (quantized W^T) (row_scale scale) + bias, quantized (N, in) int8 with row_scale (N, 1),
+ * W (out, in) int8 with a scale per output: int8_rows_product's contract (model/quantize.py). */
+at::Tensor int8_linear_kernel(const at::Tensor &quantized_rows, const at::Tensor &row_scale, const at::Tensor &weight, const at::Tensor &scale,
+                              const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK_VALUE(quantized_rows.dim() == 2 && quantized_rows.scalar_type() == at::kChar, "int8_linear: rows (N, in) int8");
+    const int64_t n = quantized_rows.size(0), in = quantized_rows.size(1), out = weight.dim() == 2 ? weight.size(0) : -1;
+    TORCH_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar && weight.size(1) == in && in % 32 == 0 &&
+                          in > 0,
+                      "int8_linear: weight (out, ", in, ") contiguous int8, in a multiple of 32");
+    TORCH_CHECK_VALUE(scale.scalar_type() == at::kFloat && scale.numel() == out, "int8_linear: a float32 scale per output");
+    TORCH_CHECK_VALUE(row_scale.scalar_type() == at::kFloat && row_scale.numel() == n, "int8_linear: a float32 scale per row");
+    TORCH_CHECK_VALUE(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == out),
+                      "int8_linear: bias (out,) contiguous float32");
+    const at::Tensor rows = quantized_rows.contiguous(), xscale = row_scale.reshape(-1).contiguous(), wscale = scale.reshape(-1).contiguous();
+    at::Tensor y = at::empty({n, out}, xscale.options());
+    const int status = int8_linear(rows.const_data_ptr<int8_t>(), xscale.const_data_ptr<float>(), weight.const_data_ptr<int8_t>(),
+                                   wscale.const_data_ptr<float>(), bias.has_value() ? bias->const_data_ptr<float>() : nullptr,
+                                   y.mutable_data_ptr<float>(), n, in, out);
+    TORCH_CHECK(status == 0, "int8_linear: no such kernel in this build");
+    return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(transformer_serving, CPU, m) {
     m.impl("panel_linear", panel_linear_kernel);
     m.impl("paged_decode_attention", paged_decode_attention_kernel);
+    m.impl("block_linear", block_linear_kernel);
+    m.impl("int8_linear", int8_linear_kernel);
 }

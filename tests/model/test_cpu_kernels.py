@@ -106,7 +106,8 @@ def test_the_operators_kernels_are_cpp_where_there_is_a_cpp_compiler() -> None:
     the Python functions with themselves."""
     if shutil.which("cc") is None or shutil.which("c++") is None:
         pytest.skip("no C or C++ compiler")
-    assert cpu_kernels.native_operators() == cpu_kernels.NATIVE_OPERATORS == {"panel_linear", "paged_decode_attention"}
+    expected = {"panel_linear", "paged_decode_attention", "block_linear", "int8_linear"}
+    assert cpu_kernels.native_operators() == cpu_kernels.NATIVE_OPERATORS == expected
 
 
 @pytest.mark.parametrize("rows", [1, 5, 9, 300])

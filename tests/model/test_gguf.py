@@ -195,6 +195,48 @@ def test_block_product_checks_its_arguments() -> None:
     assert BLOCK_BYTES[block_quant.Q8_0] * 2 == blocks.shape[1]
 
 
+@pytest.mark.parametrize("ggml_type", [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1, *sorted(block_quant.K_QUANTS)])
+def test_the_cpp_block_operator_equals_its_python_function(ggml_type: int) -> None:
+    if "block_linear" not in cpu_kernels.native_operators():
+        pytest.skip("the C++ operators did not build here")
+    torch.manual_seed(0)
+    if ggml_type in block_quant.K_QUANTS:
+        blocks = random_k_blocks(ggml_type, 200, 512, ggml_type)
+    else:
+        blocks = block_quant.quantize(torch.randn(200, 512) * torch.rand(200, 1), ggml_type)
+    operator = torch.ops.transformer_serving.block_linear
+    cases = [(1, True, 8, 8), (3, False, 32, 8), (8, True, 32, 8), (9, True, 32, 8), (9, False, 8, 8), (17, True, 32, 32)]
+    for rows, bias, bits, kernel_rows in cases:  # (rows, bias, activation bits, kernel rows): the kernel, 8 bits, the slabs
+        x = torch.randn(rows, 1024)[:, ::2]  # not contiguous: both copy it
+        b = torch.randn(200) if bias else None
+        got = operator(x, blocks, b, 200, ggml_type, bits, kernel_rows)
+        assert torch.equal(got, block_product(x, blocks, b, 200, ggml_type, bits, kernel_rows)), (rows, bias, bits)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda x, w, b, t: (x.double(), w, b, 32, t), "rows"),
+        (lambda x, w, b, t: (x[:, :48], w, b, 32, t), "not a multiple of its block"),
+        (lambda x, w, b, t: (x[:, :96], w, b, 32, t), "bytes a row"),
+        (lambda x, w, b, t: (x, w, b, 32, 10), "a type the kernels do not read"),  # Q2_K
+        (lambda x, w, b, t: (x, w[:, :-1].contiguous(), b, 32, t), "bytes a row"),
+        (lambda x, w, b, t: (x, w[:16], b, 32, t), "blocks"),
+        (lambda x, w, b, t: (x, w.view(torch.int8), b, 32, t), "uint8"),
+        (lambda x, w, b, t: (x, w, b[:31], 32, t), "bias"),
+        (lambda x, w, b, t: (x, w, b.double(), 32, t), "bias"),
+    ],
+)
+def test_the_cpp_block_operator_refuses_shapes_and_dtypes_not_its_own(change: Any, message: str) -> None:
+    if "block_linear" not in cpu_kernels.native_operators():
+        pytest.skip("the C++ operators did not build here")
+    blocks = block_quant.quantize(torch.randn(32, 128), block_quant.Q8_0)
+    arguments = (torch.randn(2, 128), blocks, torch.zeros(32), block_quant.Q8_0)
+    torch.ops.transformer_serving.block_linear(*arguments[:3], 32, arguments[3])  # as given, they are the kernel's
+    with pytest.raises(ValueError, match=message):
+        torch.ops.transformer_serving.block_linear(*change(*arguments))
+
+
 def test_the_gguf_tokenizer_gives_the_folders_ids_and_pieces(files: dict[tuple[str, str], Path], folders: dict[str, Path]) -> None:
     for name in folders:
         _, ours = load_gguf(files[name, "Q8_0"])

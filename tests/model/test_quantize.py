@@ -12,10 +12,11 @@ from sacrebleu.metrics.bleu import BLEU
 from torch import nn
 
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_checkpoint
+from model import cpu_kernels
 from model.block_quant import BlockLinear, q8_available, set_activation_bits
 from model.config import Quantization
 from model.generator import Generator
-from model.quantize import EXACT_FLOAT_K, GGML_TYPES, INT8_KERNEL_ROWS, Int8Linear, int8_matmul
+from model.quantize import EXACT_FLOAT_K, GGML_TYPES, INT8_KERNEL_ROWS, Int8Linear, int8_matmul, int8_rows_product
 from model.translator import Translator
 from service.engine.offline import OfflineEngine
 from training.data import SHARED_DATA, read_lines, split_shakespeare
@@ -65,6 +66,30 @@ def test_a_rows_output_does_not_depend_on_its_batch(in_features: int) -> None:
     int8 = Int8Linear.from_linear(linear)
     pieces = [int8(rows[:8]), int8(rows[8:])]  # the kernel's rows and the GEMMs' rows
     assert torch.equal(torch.cat(pieces), int8(rows)) and torch.equal(pieces[0], int8(rows)[:8])
+
+
+def test_the_cpp_int8_operator_equals_its_python_function_and_refuses_what_is_not_its_own() -> None:
+    if "int8_linear" not in cpu_kernels.native_operators() or not q8_available():
+        pytest.skip("the C++ operators or the int8 kernel are not built here")
+    torch.manual_seed(0)
+    layer = Int8Linear.from_linear(nn.Linear(96, 40))
+    operator = torch.ops.transformer_serving.int8_linear
+    for rows, bias in [(1, layer.bias), (5, None), (16, layer.bias)]:
+        quantized = torch.randint(-127, 128, (rows, 192), dtype=torch.int8)[:, ::2]  # not contiguous: both copy it
+        row_scale = torch.rand(rows, 1)
+        expected = int8_rows_product(quantized, row_scale, layer.weight, layer.scale, bias)
+        assert torch.equal(operator(quantized, row_scale, layer.weight, layer.scale, bias), expected)
+    quantized, row_scale = torch.randint(-127, 128, (2, 96), dtype=torch.int8), torch.rand(2, 1)
+    for arguments, message in [
+        ((quantized.float(), row_scale, layer.weight, layer.scale, None), "rows"),
+        ((quantized[:, :64], row_scale, layer.weight, layer.scale, None), "weight"),
+        ((quantized, row_scale, layer.weight.float(), layer.scale, None), "weight"),
+        ((quantized, row_scale, layer.weight, layer.scale[:, :39], None), "scale per output"),
+        ((quantized, row_scale[:1], layer.weight, layer.scale, None), "scale per row"),
+        ((quantized, row_scale, layer.weight, layer.scale, torch.zeros(39)), "bias"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            operator(*arguments)
 
 
 @pytest.mark.parametrize(("quantization", "layer"), [("int8", Int8Linear), ("q4_1", BlockLinear)])
