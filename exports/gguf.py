@@ -7,7 +7,8 @@ What llama.cpp, transformers (`gguf_file=`) and this service (loading/gguf.py) r
 hyperparameters under the architecture's keys, the byte-level BPE vocabulary (tokens padded to
 the model's rows with [PAD<i>], merges, special tokens as control tokens, the pre-tokenizer),
 bos/eos/pad ids, the chat template; the q and k rows of a llama file interleaved as llama.cpp's
-converter interleaves them. Norms stay F32; every matrix whose rows are a multiple of 32 wide
+converter interleaves them; Llama 3.1's RoPE scaling as a rope_freqs tensor (each frequency's
+divisor), as that converter writes it. Norms stay F32; every matrix whose rows are a multiple of 32 wide
 (the embedding included) is written in --type. It builds the files the tests and benchmarks serve.
 """
 
@@ -27,6 +28,7 @@ from loading.hf_tokenizers import FastTextTokenizer
 from model.block_quant import BLOCK
 from model.generator import Generator
 from model.layers import DecoderLayer
+from model.positions import rope_inv_freq
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 TYPES = {name: gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")}
@@ -88,11 +90,16 @@ def export_gguf(folder: Path, out: Path, type_name: str = "Q8_0") -> Path:
     writer.add_layer_norm_rms_eps(c.norm_eps)
     writer.add_rope_freq_base(c.rope_base)
     writer.add_rope_dimension_count(int(c.head_dim * c.rotary_fraction))
+    rope_freqs: torch.Tensor | None = None
     if c.rope_scaling == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(c.rope_factor)
-    elif c.rope_scaling != "default":
-        raise CheckpointError(folder / "config.json", f"rope scaling {c.rope_scaling} is not exported")
+    elif c.rope_scaling == "llama3":  # as llama.cpp's converter writes it: each frequency's divisor, a tensor
+        rotary_dim = int(c.head_dim * c.rotary_fraction)
+        scaled = rope_inv_freq(
+            rotary_dim, c.rope_base, "llama3", c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_max_len
+        )  # (R/2,)
+        rope_freqs = rope_inv_freq(rotary_dim, c.rope_base) / scaled
     writer.add_file_type(int(gguf.LlamaFileType.ALL_F32 if type_name == "F32" else gguf.LlamaFileType[f"MOSTLY_{type_name}"]))
     tokens, types, merges, pre = _vocabulary(folder, tokenizer, c.vocab_size)
     writer.add_tokenizer_model("gpt2")
@@ -111,6 +118,8 @@ def export_gguf(folder: Path, out: Path, type_name: str = "Q8_0") -> Path:
         writer.add_chat_template(tokenizer.chat_template)
     with torch.no_grad():
         _tensor(writer, "token_embd.weight", model.embed.weight, kind)
+        if rope_freqs is not None:
+            writer.add_tensor("rope_freqs.weight", rope_freqs.float().numpy())
         state = model.state_dict()
         _tensor(writer, "output_norm.weight", state["final_norm.weight"], kind)
         if model.lm_head is not None:

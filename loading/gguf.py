@@ -15,8 +15,11 @@ hyperparameters, tokenizer, chat template and weights.
   scores, byte fallback), built as a tokenizer.json for the `tokenizers` library; special tokens
   from token_type (control) and the *_token_id keys; tokenizer.chat_template.
 
+RoPE: rope.freq_base, linear rope.scaling, and a rope_freqs tensor (llama.cpp's form of Llama 3.1's
+scaling: each frequency's divisor) as GeneratorConfig.rope_freq_factors.
+
 Anything else (another architecture, a tensor type such as Q2_K or IQ4_XS, another vocabulary, rope
-scaling other than linear, a truncated or foreign file, missing keys) is refused with a
+scaling other than these, a truncated or foreign file, missing keys) is refused with a
 CheckpointError naming it, at configuration time (inspect_gguf) where it can be told from the header.
 This module reads the header and imports no tensor library (the service's configuration reads it in
 processes that never load a model); loading/gguf_load.py builds the model.
@@ -118,8 +121,8 @@ def check_gguf(file: GGUFFile) -> None:
     scaling = file.arch("rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise file.error(f"rope scaling {scaling!r} is not supported; supported: none, linear")
-    if "rope_freqs.weight" in file.tensors:
-        raise file.error("rope_freqs.weight (Llama 3.1's rope scaling) is not supported")
+    if "rope_freqs.weight" in file.tensors and int(file.tensors["rope_freqs.weight"].tensor_type) != F32:
+        raise file.error("tensor rope_freqs.weight is not F32")
     for tensor in file.reader.tensors:
         kind = int(tensor.tensor_type)
         if kind not in SUPPORTED_TYPES:
@@ -131,6 +134,7 @@ def check_gguf(file: GGUFFile) -> None:
     for name in ("token_embd.weight", "output_norm.weight"):
         if name not in file.tensors:
             raise file.error(f"missing tensor {name}")
+    read_config(file)  # the hyperparameters, and rope_freqs' factors
 
 
 def inspect_gguf(path: Path) -> GGUFFile:
@@ -157,6 +161,11 @@ def read_config(file: GGUFFile) -> GeneratorConfig:
         return int(file.get(f"tokenizer.ggml.{key}", eos))
 
     linear = a("rope.scaling.type", "none") == "linear"
+    rope_freq_factors: tuple[float, ...] = ()
+    if "rope_freqs.weight" in file.tensors:  # Llama 3.1's scaling as llama.cpp writes it: each frequency's divisor
+        rope_freq_factors = tuple(float(x) for x in file.tensors["rope_freqs.weight"].data.reshape(-1).tolist())
+        if len(rope_freq_factors) != rope_dims // 2 or not all(0 < x < float("inf") for x in rope_freq_factors):
+            raise file.error(f"tensor rope_freqs.weight: expected {rope_dims // 2} positive factors, one per rotated pair")
     return GeneratorConfig(
         vocab_size=len(file.require("tokenizer.ggml.tokens")),
         d_model=d_model,
@@ -177,6 +186,7 @@ def read_config(file: GGUFFile) -> GeneratorConfig:
         rope_base=float(a("rope.freq_base", 10000.0)),
         rope_scaling="linear" if linear else "default",
         rope_factor=float(a("rope.scaling.factor", 1.0)) if linear else 1.0,
+        rope_freq_factors=rope_freq_factors,
         norm="rmsnorm",
         feed_forward="gated",
         n_kv_heads=int(a("attention.head_count_kv") or n_heads),

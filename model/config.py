@@ -21,6 +21,7 @@ LATER_FIELDS = frozenset(
         "rope_low_freq_factor",
         "rope_high_freq_factor",
         "rope_original_max_len",
+        "rope_freq_factors",
         "norm",
         "feed_forward",
         "n_kv_heads",
@@ -129,6 +130,9 @@ class GeneratorConfig(ModelConfig):
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by rope_factor
     rope_high_freq_factor: float = 4.0  # llama3: below original_max_len / this they are kept; smoothed between
     rope_original_max_len: int = 8192  # llama3: the context length the model was pretrained at
+    # Each RoPE frequency (R/2 of them) divided by its own factor after rope_scaling: a GGUF file's
+    # rope_freqs tensor (llama.cpp's form of Llama 3.1's scaling); () divides by none.
+    rope_freq_factors: tuple[float, ...] = ()
     norm: Norm = "layernorm"
     feed_forward: FeedForwardKind = "mlp"
     n_kv_heads: int | None = None  # grouped-query attention: key/value heads, each shared by n_heads / n_kv_heads queries; None: n_heads
@@ -139,6 +143,8 @@ class GeneratorConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         assert self.n_heads % self.kv_heads == 0, "n_heads must be a multiple of n_kv_heads"
+        rotated_pairs = int(self.head_dim * self.rotary_fraction) // 2
+        assert not self.rope_freq_factors or len(self.rope_freq_factors) == rotated_pairs, "one rope_freq_factor per rotated pair"
 
     @property
     def head_dim(self) -> int:

@@ -6,6 +6,7 @@ Mistral) brings RMSNorm, SwiGLU, grouped-query attention, its own head size and 
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 
 from model.attention import MultiHeadAttention
@@ -50,7 +51,9 @@ class Generator(nn.Module):
             c.rope_low_freq_factor,
             c.rope_high_freq_factor,
             c.rope_original_max_len,
-        )
+        )  # (R/2,)
+        if c.rope_freq_factors:
+            frequencies = frequencies / torch.tensor(c.rope_freq_factors, dtype=torch.float64)
         self.positions = PositionEncoder(c.positions, c.max_len, c.d_model, c.n_heads, rope_frequencies=frequencies)
         self.dropout = nn.Dropout(c.dropout)
         self.layers = nn.ModuleList(_decoder_layer(c) for _ in range(c.n_layers))

@@ -306,10 +306,47 @@ def test_files_the_service_cannot_serve_are_refused_with_one_line_naming_the_pro
     assert "architecture 'gpt2'" in _one_line(_rewritten(good, tmp_path / "gpt2.gguf", architecture="gpt2"))
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         ModelServingConfig(name="broken", checkpoint=truncated)
-    # a hyperparameter missing: caught when the model is built
     unsized = _rewritten(good, tmp_path / "unsized.gguf", drop=frozenset({"llama.feed_forward_length"}))
-    with pytest.raises(CheckpointError, match="feed_forward_length"):
-        load_gguf(unsized)
+    assert "feed_forward_length" in _one_line(unsized)
+
+
+def test_a_llama_3_1_files_rope_freqs_give_its_folders_transformers_logits(tmp_path: Path) -> None:
+    """Llama 3.1's RoPE scaling, which llama.cpp's converter writes as a rope_freqs tensor (each
+    frequency's divisor): the file's logits are transformers' on the folder (whose GGUF loader
+    ignores the tensor), past the original context, and without the tensor they are not."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaling["original_max_position_embeddings"] = 64
+    folder = build_llama_folder(tmp_path / "llama3", rope_scaling=scaling, max_positions=256)
+    path = export_gguf(folder, tmp_path / "llama3-F32.gguf", "F32")
+    model, tokenizer = load_gguf(path)
+    assert len(model.config.rope_freq_factors) == model.config.head_dim // 2 and max(model.config.rope_freq_factors) == 8.0
+    reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.randint(3, 800, (1, 160), generator=torch.Generator().manual_seed(0))  # past the original 64 positions
+    reader, writer = copy_of(path, tmp_path / "unscaled.gguf")
+    for tensor in reader.tensors:
+        if tensor.name != "rope_freqs.weight":
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    write_out(writer)
+    unscaled, _ = load_gguf(tmp_path / "unscaled.gguf")
+    with torch.no_grad():
+        logits = model(ids)
+        torch.testing.assert_close(logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+        assert (unscaled(ids) - logits).abs().max() > 1.0
+    engine = OfflineEngine(model, tokenizer, n_slots=2)
+    [output] = engine.generate([ids[0].tolist()], GenerationParams(max_tokens=NEW_TOKENS, sampling=GREEDY))
+    expected = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert output.token_ids == [t for t in expected if t != reference.generation_config.eos_token_id][: len(output.token_ids)]
+    assert len(output.token_ids) == NEW_TOKENS or expected[len(output.token_ids)] == model.config.eos_id
+    pairs = model.config.head_dim // 2
+    bad = [np.ones(pairs - 1, dtype=np.float32), np.zeros(pairs, dtype=np.float32), np.ones(pairs, dtype=np.float16)]
+    for factors in bad:
+        reader, writer = copy_of(path, tmp_path / "bad.gguf")
+        for tensor in reader.tensors:
+            data = factors if tensor.name == "rope_freqs.weight" else np.array(tensor.data)
+            writer.add_tensor(tensor.name, data, raw_dtype=None if tensor.name == "rope_freqs.weight" else tensor.tensor_type)
+        write_out(writer)
+        problem = "is not F32" if factors.dtype == np.float16 else f"expected {pairs} positive factors"
+        assert problem in _one_line(tmp_path / "bad.gguf")
 
 
 @pytest.mark.parametrize("ggml_type", [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1])
