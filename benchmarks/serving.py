@@ -58,7 +58,7 @@ from decoding.sampling_params import GREEDY
 from loadtests.cluster import free_port
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
 from service.engine.async_engine import AsyncEngine
-from service.engine.engine import Engine
+from service.engine.core import EngineSpec
 from service.engine.request import GenerationParams
 
 CONCURRENCY = (1, 16, 32)
@@ -165,7 +165,7 @@ def check_finish(finish_reason: str | None, tokens: int, max_tokens: int) -> Non
 async def complete_inprocess(engine: AsyncEngine, prompt: str, max_tokens: int) -> tuple[int, float | None]:
     """One greedy completion through the AsyncEngine, read as the replica reads it (unpaced)."""
     started = time.perf_counter()
-    stream = await engine.submit(engine.engine.runner.encode_prompt(prompt), GenerationParams(sampling=GREEDY, max_tokens=max_tokens))
+    stream = await engine.submit(engine.info.encode_prompt(prompt), GenerationParams(sampling=GREEDY, max_tokens=max_tokens))
     first_token_s, finish_reason, tokens = None, None, 0
     async for delta in stream:
         if first_token_s is None and delta.token_ids:
@@ -310,7 +310,7 @@ def main() -> None:
     with local_app(config, app, cpus) as url:
         torch.set_num_threads(TORCH_THREADS)
         generator = config.generator
-        engine = AsyncEngine(Engine.from_checkpoint(generator.checkpoint, generator.engine, *resolve_device(generator)))
+        engine = AsyncEngine(EngineSpec(generator.checkpoint, generator.engine, *resolve_device(generator), torch_threads=TORCH_THREADS))
         try:
             runs = asyncio.run(measure(engine, url, generator.name, tokens, requests_per_client, repeats))
         finally:

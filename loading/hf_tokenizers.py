@@ -177,6 +177,15 @@ class FastTextTokenizer:
         marker_ids = {marker: self.tokenizer.token_to_id(marker) for marker in (MARKERS[format] if format else ())}
         self.tool_markers: dict[str, int] = {marker: i for marker, i in marker_ids.items() if i is not None and i in self.special_ids}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the compiled template (Jinja's compiled code is not picklable): the engine's
+        process sends its tokenizer to the replica (service/engine/core.py)."""
+        return {**self.__dict__, "_compiled": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._compiled = None if self.chat_template is None else compile_chat_template(self.chat_template)
+
     def _bos_id(self) -> int | None:
         """The special token tokenizer.json's post-processor puts before the text, if any: what
         transformers 5.23 adds (tokenizer_config.json's add_bos_token does not change it)."""

@@ -5,7 +5,6 @@ Refusal) and reports health; limits and defaults are the engine's."""
 import asyncio
 import json
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -23,14 +22,13 @@ from loading.tool_formats import call_id
 from loading.tool_grammars import forced_call_grammar
 from service.config import ModelServingConfig
 from service.engine.async_engine import AsyncEngine, paced
-from service.engine.compiled_decode import CompiledDecode
 from service.engine.config import StructuredOutput, TokenLogprob
-from service.engine.engine import Engine
+from service.engine.core import EngineSpec
 from service.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
-from service.engine.faults import FaultInjectingRunner, FaultKind
+from service.engine.faults import FaultKind
 from service.engine.grammar_check import closed_schema, json_options
 from service.engine.inspector import AttentionInspector
-from service.engine.request import Delta, GenerationParams, Request
+from service.engine.request import Delta, GenerationParams
 from service.metrics import ServingMetrics
 from service.process import process_stats
 from service.protocol import (
@@ -137,52 +135,25 @@ class ModelDeployment:
     """A Serve replica holding one AsyncEngine; `generate` follows service/protocol.py."""
 
     def __init__(self, config: ModelServingConfig) -> None:
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
         self.config = config
         device, dtype = resolve_device(config)
-        engine = Engine.from_checkpoint(config.checkpoint, config.engine, device, dtype)
-        self.faults = FaultInjectingRunner(engine.runner) if config.fault_injection else None
-        if self.faults is not None:
-            engine.runner = self.faults  # the engine steps through it; tests arm it with inject_fault()
-        self._warm_up(engine)
         self.metrics = ServingMetrics(config.name)
-        engine.on_step = self.metrics.record_step
-        self.engine = AsyncEngine(engine)
-        self.runner = engine.runner
-        compiled = getattr(self.runner, "compiled", None)
-        if compiled is not None:  # compiled in the background (compile_in_background): say when it takes over
-            threading.Thread(target=self._log_compiled, args=(compiled,), name="compiled-log", daemon=True).start()
+        spec = EngineSpec(config.checkpoint, config.engine, device, dtype, config.fault_injection, config.torch_threads)
+        self.engine = AsyncEngine(spec, on_step=self.metrics.record_step)  # the engine steps in a process of its own
+        self.model = self.engine.info
         self.inspector = AttentionInspector(config.checkpoint, device)
-        pool = self.runner.kv_pool
+        blocks = self.model.kv_blocks
         log.info(
-            "%s ready on %s (%s, %d torch threads), KV cache %.1f MB (%s), context %d tokens",
-            config.name, device, dtype, torch.get_num_threads(), self.runner.kv_cache_bytes / 1e6,
-            f"{pool.num_blocks - 1} blocks of {pool.block_size} tokens" if pool else f"{config.engine.n_slots} slots",
-            self.runner.max_len,
+            "%s ready on %s (%s), KV cache %.1f MB (%s), context %d tokens",
+            config.name, device, dtype, self.model.kv_cache_bytes / 1e6,
+            f"{blocks[0]} blocks of {blocks[1]} tokens" if blocks else f"{self.model.n_slots} slots", self.model.max_len,
         )  # fmt: skip
-
-    def _log_compiled(self, compiled: CompiledDecode) -> None:
-        started = time.monotonic()
-        compiled.ready.wait()
-        timings = ", ".join(f"{size}: {1e3 * eager:.1f} / {1e3 * fast:.1f} ms" for size, (eager, fast) in sorted(compiled.timings.items()))
-        log.info(
-            "%s: compiled decode steps ready %.0f s after start, at batch sizes %s (eager / compiled: %s)",
-            self.config.name, time.monotonic() - started, sorted(compiled.batch_sizes), timings,
-        )  # fmt: skip
-
-    @staticmethod
-    def _warm_up(engine: Engine) -> None:
-        """One short request end to end, so the first user request does not pay for lazy init."""
-        engine.add_request(Request("warm-up", engine.runner.encode_prompt("A"), GenerationParams(max_tokens=2)))
-        while engine.has_work:
-            engine.step()
 
     def _request_ids(self, request: GenerateRequest) -> list[int]:
         """The prompt's ids: as sent (checked against the vocabulary), or from its text or chat."""
         if request.prompt_ids is None:
             return self._prompt_ids(request.text, request.messages, tools=request.tools)
-        vocab_size = self.runner.tokenizer.vocab_size
+        vocab_size = self.model.tokenizer.vocab_size
         if any(not 0 <= i < vocab_size for i in request.prompt_ids):
             raise InvalidRequestError(f"token ids must be in [0, {vocab_size})", "prompt")
         return list(request.prompt_ids)
@@ -194,8 +165,8 @@ class ModelDeployment:
         tokenizer adds, when add_special_tokens), or a chat (with its tools) rendered by the model's
         template (InvalidRequestError when it has none, or when it refuses the messages) and encoded as it is."""
         if messages is None:
-            return self.runner.encode_prompt(text) if add_special_tokens else self.runner.tokenizer.encode(text)
-        tokenizer = self.runner.tokenizer
+            return self.model.encode_prompt(text) if add_special_tokens else self.model.tokenizer.encode(text)
+        tokenizer = self.model.tokenizer
         if tokenizer.chat_template is None:
             raise InvalidRequestError(f"the model {self.config.name} has no chat template; use /v1/completions", "messages")
         try:
@@ -209,7 +180,7 @@ class ModelDeployment:
         template asks for, and the grammar that forces a call when tool_choice asks for one."""
         if not request.tools:
             return None, request.structured
-        format = tool_call_format(self.runner.tokenizer.chat_template or "")
+        format = tool_call_format(self.model.tokenizer.chat_template or "")
         if format is None:  # under every tool_choice, "none" too: the tools would be rendered as the template sees fit
             message = f"the model {self.config.name}'s chat template does not render tools in a tool-call format this server parses"
             raise InvalidRequestError(message + " (Hermes, Qwen3-Coder, Mistral, DeepSeek V3, Llama 3.1 JSON, pythonic)", "tools")
@@ -250,7 +221,7 @@ class ModelDeployment:
             yield Refusal("unavailable", str(error))
             return
         interval_s = self.config.stream_interval_ms / 1000 if request.stream else None
-        tokenizer = self.runner.tokenizer
+        tokenizer = self.model.tokenizer
         echo = (request.text if request.prompt_ids is None else tokenizer.decode(prompt_ids)) if request.echo else None
         async for delta in paced(stream, interval_s):
             answer = chunk(delta, tokenizer, request, echo)
@@ -270,11 +241,11 @@ class ModelDeployment:
             ids = self._prompt_ids(request.text, request.messages, request.add_special_tokens)
         except InvalidRequestError as error:
             return Refusal("invalid", str(error), error.param)
-        pieces = tuple(self.runner.tokenizer.piece_bytes(i).decode("utf-8", errors="replace") for i in ids)
-        return Tokens(tuple(ids), pieces, self.runner.max_len)
+        pieces = tuple(self.model.tokenizer.piece_bytes(i).decode("utf-8", errors="replace") for i in ids)
+        return Tokens(tuple(ids), pieces, self.model.max_len)
 
     async def tokenizer_info(self) -> TokenizerInfo:
-        tokenizer = self.runner.tokenizer
+        tokenizer = self.model.tokenizer
 
         def special(token_id: int | None) -> str | None:
             """The token's text when encoding it gives the token back (a client encodes it to find its id)."""
@@ -283,18 +254,18 @@ class ModelDeployment:
 
         return TokenizerInfo(
             type(tokenizer).__name__,
-            special(self.runner.eos_id),
-            special(getattr(self.runner, "bos_id", None)),  # a translator's decoder starts from its own start id instead
-            special(self.runner.pad_id),
-            self.runner.max_len,
+            special(self.model.eos_id),
+            special(self.model.bos_id),  # a translator's decoder starts from its own start id instead
+            special(self.model.pad_id),
+            self.model.max_len,
             tokenizer.chat_template,
         )
 
     async def detokenize(self, ids: tuple[int, ...]) -> str | Refusal:
-        vocab_size = self.runner.tokenizer.vocab_size
+        vocab_size = self.model.tokenizer.vocab_size
         if any(not 0 <= i < vocab_size for i in ids):
             return Refusal("invalid", f"token ids must be in [0, {vocab_size})", "tokens")
-        return self.runner.tokenizer.decode(list(ids))
+        return self.model.tokenizer.decode(list(ids))
 
     async def ready(self) -> bool:
         return self.engine.alive
@@ -312,6 +283,7 @@ class ModelDeployment:
             "max_batch_size": counters.max_batch_size,
             "finished": dict(counters.finished),
             **process_stats(),
+            "engine_process": process_stats(self.engine.pid),
         }
 
     def inject_fault(self, kind: FaultKind, steps: int = 1, stall_s: float | None = None, release_file: str | None = None) -> str:
@@ -319,9 +291,9 @@ class ModelDeployment:
         each of the next `steps` engine steps raises ("error"), or first stalls ("stall"): stall_s
         seconds (None: forever, a wedged loop that check_health reports and Serve replaces), or
         until release_file exists. Returns this replica's id."""
-        if self.faults is None:
+        if not self.config.fault_injection:
             raise PermissionError("fault injection is off for this deployment")
-        self.faults.arm(kind, steps, stall_s, Path(release_file) if release_file is not None else None)
+        self.engine.arm_fault(kind, steps, stall_s, Path(release_file) if release_file is not None else None)
         return str(serve.get_replica_context().replica_id.unique_id)
 
     def check_health(self) -> None:

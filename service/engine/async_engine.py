@@ -1,107 +1,133 @@
-"""The async front: callers submit from an event loop and read an async stream of deltas while one
-thread runs the step loop (torch releases the GIL, so the event loop stays responsive)."""
+"""The async front (vLLM's AsyncLLM): callers submit from an event loop and read an async stream
+of deltas, while the engine steps in a process of its own (core.py); a thread of this process
+reads what that process sends and hands each step's deltas to their readers."""
 
 import asyncio
+import contextlib
 import logging
-import queue
-import sys
+import multiprocessing
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from pathlib import Path
 
-from service.engine.engine import Engine, EngineCounters
-from service.engine.errors import EngineDeadError, QueueFullError
-from service.engine.request import Delta, GenerationParams, Request
+from service.engine.core import (
+    STOP,
+    Abort,
+    ArmFault,
+    EngineState,
+    ModelInfo,
+    Ready,
+    StartFailed,
+    Stepped,
+    Submit,
+    Verdicts,
+    run_engine_core,
+)
+from service.engine.engine import Engine, EngineCounters, StepReport
+from service.engine.errors import EngineDeadError
+from service.engine.faults import FaultKind
+from service.engine.request import Delta, GenerationParams
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class _Submit:
-    request: Request
-    deltas: "asyncio.Queue[Delta]"
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-# How long a thread holding the GIL keeps it while another waits (Python's default: 5 ms). The step
-# loop gives the GIL up around every torch operation and must take it back to go on: with the
-# replica's event loop busy streaming, it would wait up to the interval each time, dozens of times a step.
-GIL_SWITCH_INTERVAL_S = 0.0005
+Stream = tuple["asyncio.Queue[Delta]", asyncio.AbstractEventLoop]
+Verdict = tuple["asyncio.Future[Exception | None]", asyncio.AbstractEventLoop]
 
 
 class AsyncEngine:
-    """Owns an Engine and the thread that steps it. All engine state is touched by that thread only;
-    callers talk to it through an inbox. Sets the process's GIL switch interval (GIL_SWITCH_INTERVAL_S)."""
+    """Starts the engine's process with `build` (a picklable callable that returns the Engine:
+    core.EngineSpec for a served model) and waits until it is ready (RuntimeError when it could
+    not start). on_step: called with each step's report (and an idle engine's, every second), on
+    this process's reader thread. The engine's state is what its last message said."""
 
-    def __init__(self, engine: Engine) -> None:
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self.engine = engine
-        self._inbox: queue.SimpleQueue[_Submit | _Abort] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.Queue[Delta], asyncio.AbstractEventLoop]] = {}
-        self._wakeup = threading.Event()
+    def __init__(self, build: Callable[[], Engine], on_step: Callable[[StepReport], None] | None = None) -> None:
+        context = multiprocessing.get_context("spawn")  # no fork of a process with threads (and CUDA)
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=run_engine_core, args=(child, build), name="engine-core", daemon=True)
+        self._process.start()
+        child.close()
+        try:
+            ready = self._conn.recv()
+        except EOFError:
+            ready = StartFailed(f"the engine's process exited with {self._process.exitcode}")
+        if isinstance(ready, StartFailed):
+            self._process.join(timeout=10)
+            raise RuntimeError(f"the engine could not start: {ready.problem}")
+        assert isinstance(ready, Ready)
+        self.info: ModelInfo = ready.info
+        self.state: EngineState = ready.state
+        self.on_step = on_step
+        self.last_heartbeat = time.monotonic()  # of the last message from the engine's process
+        self._streams: dict[str, Stream] = {}
+        self._verdicts: dict[str, Verdict] = {}
+        self._lock = threading.Lock()  # the two maps
+        self._send_lock = threading.Lock()  # the pipe's sending end (never held with the other)
         self._stopping = threading.Event()
-        self._pending = 0  # submitted, not yet taken from the inbox
-        self._pending_tokens = 0  # their Request.cost
-        self._pending_lock = threading.Lock()
-        self.last_heartbeat = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's process."""
+        return self._process.pid
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        return self._reader.is_alive() and self._process.is_alive() and not self._stopping.is_set()
 
     def stop(self) -> None:
+        """Ends the engine's process (its loop stops after the step it is in) and the reader."""
         self._stopping.set()
-        self._wakeup.set()
-        self._thread.join(timeout=10)
-        self.engine.grammars.checker.close()
+        self._send(STOP)
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._reader.join(timeout=10)
 
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._pending
+        return self.state.waiting
 
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self.state.running
 
     def num_free_slots(self) -> int:
-        return self.engine.scheduler.slots.num_free
+        return self.state.free_slots
 
     @property
     def counters(self) -> EngineCounters:
-        return self.engine.counters
+        return self.state.counters
+
+    def arm_fault(self, kind: FaultKind, steps: int = 1, stall_s: float | None = None, release_file: Path | None = None) -> None:
+        """Arms the engine's FaultInjectingRunner (an engine built without one ends its process)."""
+        self._send(ArmFault(kind, steps, stall_s, release_file))
 
     async def submit(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None) -> AsyncGenerator[Delta, None]:
-        """Resolves and checks the parameters, compiles a structured output's grammar off the event
-        loop, and queues (raising InvalidRequestError or QueueFullError before any model work),
-        then returns the request's delta stream. Leaving
-        the stream early (a client disconnect cancels the reader) aborts the request at the next
-        step."""
+        """Sends the request to the engine and returns its delta stream once the engine has queued it
+        (after a structured output's grammar is compiled); raises InvalidRequestError or QueueFullError
+        when the engine refuses it, before any model work. Leaving the stream early (a client
+        disconnect cancels the reader) aborts the request at the next step."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
-        params = self.engine.resolve(prompt_ids, params)
-        grammar = None
-        if params.structured is not None:  # checked in the grammars' worker process, built on a thread: never on the loop
-            grammar = await asyncio.to_thread(self.engine.grammars.matcher, params.structured)
-        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params, grammar=grammar)
-        scheduler = self.engine.scheduler
-        with self._pending_lock:
-            problem = scheduler.queue_full(self.num_waiting(), scheduler.waiting_tokens + self._pending_tokens, request)
-            if problem is not None:
-                raise QueueFullError(problem)
-            self._pending += 1
-            self._pending_tokens += request.cost
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
-        self._inbox.put(_Submit(request, deltas, asyncio.get_running_loop()))
-        self._wakeup.set()
-        return self._stream(request.request_id, deltas)
+        verdict: asyncio.Future[Exception | None] = loop.create_future()
+        with self._lock:
+            self._streams[request_id] = (deltas, loop)
+            self._verdicts[request_id] = (verdict, loop)
+        self._send(Submit(request_id, prompt_ids, params, time.monotonic()))
+        try:
+            error = await verdict
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        if error is not None:
+            raise error
+        return self._stream(request_id, deltas)
 
     async def _stream(self, request_id: str, deltas: "asyncio.Queue[Delta]") -> AsyncGenerator[Delta, None]:
         """Yields the request's deltas; a reader that has fallen behind gets the deltas queued
@@ -119,63 +145,82 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
-        self._wakeup.set()
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self._send(Abort(request_id))
 
-    def _drain_inbox(self) -> None:
+    def _send(self, message: object) -> None:
+        with self._send_lock, contextlib.suppress(OSError):  # OSError: the process is gone (alive says so; the reader fails its streams)
+            self._conn.send(message)
+
+    def _read(self) -> None:
         while True:
             try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(message, _Abort):
-                self.engine.abort(message.request_id)
-                continue
-            try:
-                with self._pending_lock:  # submit() sees it either pending or waiting, never neither
-                    self._pending -= 1
-                    self._pending_tokens -= message.request.cost
-                    self.engine.queue(message.request)  # resolved by submit()
-            except Exception as error:  # validated at submit; a race with the queue bound is all that is left
-                delta = Delta(message.request.request_id, "", [], "error", error=str(error))
-                message.loop.call_soon_threadsafe(message.deltas.put_nowait, delta)
-                continue
-            self._streams[message.request.request_id] = (message.deltas, message.loop)
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            self.last_heartbeat = time.monotonic()
+            if isinstance(message, Verdicts):
+                self.state = message.state
+                self._settle(message.items)
+            elif isinstance(message, Stepped):
+                self.state = message.state
+                if self.on_step is not None:
+                    self.on_step(message.report)
+                self._publish(message.deltas)
+        if not self._stopping.is_set():
+            log.error("the engine's process exited (code %s): failing its requests", self._process.exitcode)
+        self._fail_all()
+
+    def _settle(self, items: list[tuple[str, Exception | None]]) -> None:
+        """Resolves submit()'s waits: None (queued) or the refusal."""
+        for request_id, error in items:
+            with self._lock:
+                verdict, loop = self._verdicts.pop(request_id, (None, None))
+                if error is not None:
+                    self._streams.pop(request_id, None)
+            if verdict is not None and loop is not None:
+                _call_in(loop, _resolve, verdict, error)
 
     def _publish(self, deltas: list[Delta]) -> None:
         """Hands a step's deltas to their readers: one wake-up per event loop, not one per delta."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Delta], Delta]]] = {}
-        for delta in deltas:
-            target = self._streams.get(delta.request_id)
-            if target is None:
-                continue
-            stream, loop = target
-            if delta.finish_reason is not None:
-                del self._streams[delta.request_id]
-            by_loop.setdefault(loop, []).append((stream, delta))
+        with self._lock:
+            for delta in deltas:
+                target = self._streams.get(delta.request_id)
+                if target is None:
+                    continue
+                if delta.finish_reason is not None:
+                    del self._streams[delta.request_id]
+                by_loop.setdefault(target[1], []).append((target[0], delta))
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the caller's event loop has closed: nobody is reading
+            if not _call_in(loop, _deliver, items):  # the caller's event loop has closed: nobody is reading
                 for _, delta in items:
-                    self._streams.pop(delta.request_id, None)
-                    self.engine.abort(delta.request_id)
+                    self.abort(delta.request_id)
 
-    def _run(self) -> None:
-        while not self._stopping.is_set():
-            self.last_heartbeat = time.monotonic()
-            self._drain_inbox()
-            if not self.engine.has_work:
-                if not self._wakeup.wait(timeout=1.0):
-                    self.engine.report_idle()
-                self._wakeup.clear()
-                continue
-            try:
-                output = self.engine.step()  # a model failure fails that step's requests only
-            except Exception:
-                log.exception("engine step raised outside the model; continuing")
-                continue
-            self._publish(output.deltas)
+    def _fail_all(self) -> None:
+        """The engine's process is gone: every waiting submit fails, every open stream ends in an error."""
+        with self._lock:
+            verdicts, self._verdicts = self._verdicts, {}
+            streams, self._streams = self._streams, {}
+        for verdict, loop in verdicts.values():
+            _call_in(loop, _resolve, verdict, EngineDeadError("the engine loop is not running"))
+        for request_id, (deltas, loop) in streams.items():
+            _call_in(loop, _deliver, [(deltas, Delta(request_id, "", [], "error", error="the engine's process exited"))])
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, function: Callable[..., None], *args: object) -> bool:
+    """Schedules function(*args) on loop from another thread; False when the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(function, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _resolve(verdict: "asyncio.Future[Exception | None]", error: Exception | None) -> None:
+    if not verdict.done():  # a submit cancelled meanwhile has gone
+        verdict.set_result(error)
 
 
 def _deliver(items: list[tuple["asyncio.Queue[Delta]", Delta]]) -> None:

@@ -41,6 +41,15 @@ class RunnerOutput:
     prefill_seconds: float = 0.0  # the prompt / encoder pass of the plan's new requests
 
 
+def prompt_ids(tokenizer: TextTokenizer, text: str, bos_id: int | None, eos_id: int) -> list[int]:
+    """A prompt's ids: a generator's (bos_id given) with the special tokens its tokenizer puts
+    before a prompt (a Llama's bos), bos alone for text without tokens (generation from nothing); a
+    translator's source (bos_id None) ending with eos."""
+    if bos_id is None:
+        return tokenizer.encode(text) + [eos_id]
+    return tokenizer.encode_prompt(text) or [bos_id]
+
+
 class ModelRunner(Protocol):
     """Special ids are the model's (its config): any of eos_ids ends a sequence, its suppressed_ids
     are never generated, and sizes follow the serving context (EngineConfig.max_context)."""
@@ -249,9 +258,7 @@ class GeneratorRunner:
         return self.max_len - prompt_length
 
     def encode_prompt(self, text: str) -> list[int]:
-        """The text's ids with the special tokens the model's tokenizer puts before a prompt (a
-        Llama's bos); bos alone for text without tokens (generation from nothing)."""
-        return self.tokenizer.encode_prompt(text) or [self.bos_id]
+        return prompt_ids(self.tokenizer, text, self.bos_id, self.eos_id)
 
     def default_max_tokens(self, prompt_length: int) -> int:
         return self.max_new_tokens(prompt_length)
@@ -480,7 +487,7 @@ class TranslatorRunner:
         return self.max_len - 1  # position 0 holds the start token
 
     def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text) + [self.eos_id]
+        return prompt_ids(self.tokenizer, text, None, self.eos_id)
 
     def default_max_tokens(self, prompt_length: int) -> int:
         return max_new_tokens_for(prompt_length, self.max_len)

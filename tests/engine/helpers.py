@@ -4,6 +4,7 @@ Imports neither Ray, FastAPI nor pydantic (as model/ and service/engine/), so th
 tests/engine run where those are not installed: the GPU check (benchmarks/gpu.py)."""
 
 import functools
+import multiprocessing.synchronize
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,8 +60,9 @@ class FakeRunner:
     step_seconds: float = 0.0  # simulated model time per step, added to `clock`
     clock: "FakeClock | None" = None
     # When set, each step first takes one permit: a test decides when steps run, never the
-    # machine's speed (a step waits for its permit, holding what it admitted).
-    steps: threading.Semaphore | None = None
+    # machine's speed (a step waits for its permit, holding what it admitted). A spawn context's
+    # semaphore where the engine steps in its own process (AsyncEngine).
+    steps: "threading.Semaphore | multiprocessing.synchronize.Semaphore | None" = None
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -3,7 +3,9 @@
 import threading
 from pathlib import Path
 
+from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
 from service.engine.config import EngineConfig
+from service.engine.core import ModelInfo
 from service.engine.engine import Engine, StepOutput
 from service.engine.faults import FaultInjectingRunner
 from service.engine.request import GenerationParams, Request
@@ -55,3 +57,15 @@ def test_a_stall_until_a_file_exists_holds_the_step_until_the_file_is_written(tm
     release.touch()
     stepping.join(timeout=60)
     assert not stepping.is_alive() and [t for d in outputs[0].deltas for t in d.token_ids] == [11]
+
+
+def test_the_replica_encodes_prompts_as_the_engines_runner_with_or_without_faults() -> None:
+    """core.ModelInfo (what the engine's process tells its replica) reads a generator's prompt (bos
+    or not) and a translator's source (ending with eos) as the runner does, through a
+    FaultInjectingRunner too."""
+    texts = ["ROMEO:\n", "A man rides a bike.", ""]
+    for checkpoint in (DEFAULT_GENERATOR, DEFAULT_TRANSLATOR):
+        engine = Engine.from_checkpoint(checkpoint, EngineConfig(n_slots=2))
+        for runner in (engine.runner, FaultInjectingRunner(engine.runner)):
+            info = ModelInfo.of(runner, 2)  # type: ignore[arg-type]
+            assert [info.encode_prompt(t) for t in texts] == [engine.runner.encode_prompt(t) for t in texts], checkpoint

@@ -7,6 +7,7 @@ folder's tensors back; the explicit attention path, packed and int8 weights run 
 options raise a CheckpointError naming them."""
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -213,6 +214,9 @@ def test_render_chat_equals_apply_chat_template(folders: dict[str, Path], varian
         rendered = tokenizer.render_chat(messages)
         expected_ids = hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
         assert tokenizer.encode(rendered) == expected_ids  # special tokens written as text read as themselves
+    sent = pickle.loads(pickle.dumps(tokenizer))  # as the engine's process sends it to its replica
+    assert [sent.render_chat(m) for m in CONVERSATIONS] == [tokenizer.render_chat(m) for m in CONVERSATIONS]
+    assert [sent.encode_prompt(t) for t in ("Who comes here?", "")] == [tokenizer.encode_prompt(t) for t in ("Who comes here?", "")]
 
 
 def test_chat_template_errors_are_clear(folders: dict[str, Path], tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from tests.helpers import APP_NAME, TEST_CONFIG
 SOAK_SECONDS = float(os.environ.get("SOAK_SECONDS", "300"))  # at least 5 minutes unless told otherwise
 WARMUP_S = SOAK_SECONDS / 2  # Python's allocator keeps growing, ever slower, for a few minutes
 DEPLOYMENTS = (*(m.name for m in TEST_CONFIG.models), "Ingress")
+PROCESSES = {*DEPLOYMENTS, *(f"{m.name}/engine" for m in TEST_CONFIG.models)}  # each model replica's engine process too
 RESULTS = Path(__file__).resolve().parents[2] / "loadtests" / "results"
 
 
@@ -28,6 +29,9 @@ def sample_stats() -> dict[str, dict[str, int]]:
         for _ in range(16):
             s = handle.stats.remote().result()
             stats[f"{deployment}:{s['pid']}"] = {k: s[k] for k in ("rss_bytes", "open_fds", "asyncio_tasks")}
+            if "engine_process" in s:
+                engine = s["engine_process"]
+                stats[f"{deployment}/engine:{engine['pid']}"] = {k: engine[k] for k in ("rss_bytes", "open_fds", "asyncio_tasks")}
     return stats
 
 
@@ -47,7 +51,7 @@ def test_soak_with_cancelled_streams_leaks_nothing(service_url: str) -> None:
             if t >= WARMUP_S:
                 after_warmup.setdefault(process, []).append(values)
     compared = {process: (series[0], series[-1]) for process, series in after_warmup.items() if len(series) >= 2}
-    assert {p.split(":")[0] for p in compared} == set(DEPLOYMENTS), list(after_warmup)
+    assert {p.split(":")[0] for p in compared} == PROCESSES, list(after_warmup)
     for process, (warm, last) in compared.items():
         assert last["open_fds"] <= warm["open_fds"] + 2, (process, summary)
         assert last["asyncio_tasks"] <= warm["asyncio_tasks"] + 2, (process, summary)
