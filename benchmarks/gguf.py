@@ -6,17 +6,18 @@ The files: --folder (default: benchmarks.vs_vllm's random-weight folder of SmolL
 built there when missing: 30 layers, width 576, 9 query and 3 KV heads, 49,152-token byte-level
 BPE vocabulary, tied embeddings) written by exports.gguf in each type into runs/gguf/ (once).
 llama.cpp is llama-cpp-python 0.3.36 (installed into this environment on first use: it builds
-llama.cpp from source for this CPU, a few minutes), n_threads 1; ours is the offline engine
-(service/engine/offline.py) over load_gguf's model with torch's 1 thread, 8-bit activations
+llama.cpp from source for this CPU, a few minutes), n_threads 1; ours is the Engine, stepped in
+this process, over load_gguf's model with torch's 1 thread, 8-bit activations
 (EngineConfig.activation_bits' default), speculative decoding off (llama.cpp has none by default;
 random weights' repetitive answers would flatter it), eager steps (not --compiled-decode).
 
 Per file, the systems taking turns for --repeats rounds, each keeping its best:
-- decode_tok_s: greedy decoding at batch 1, 128 tokens after a 16-token prompt (llama.cpp: its
-  eval of one token at a time, the next picked by argmax of its logits; ours: one request,
-  ignore_eos);
+- decode_tok_s: greedy decoding at batch 1, 128 tokens after a 16-token prompt, timed after the
+  prompt (llama.cpp: its eval of one token at a time, the next picked by argmax of its logits;
+  ours: one request, ignore_eos, its 128 steps after the prompt's; each engine and its KV pool
+  made before the timing, as llama.cpp's context);
 - prompt_tok_s: a 512-token prompt's prefill (llama.cpp: one eval of n_batch 512; ours: a request
-  for one token, its time to the first token);
+  for one token, its steps to the first token);
 - top1_agreement: the share of a 256-token prompt's positions whose most likely next token is the
   same in ours' logits (one row a step, as decoding computes them) and llama.cpp's, with 8-bit
   activations as llama.cpp's and (_float_activations) float32 ones, and the largest logit difference;
@@ -47,8 +48,10 @@ from loading.gguf_load import load_gguf
 from model import block_quant
 from model.block_quant import set_activation_bits
 from model.packed_linear import pack_linear_layers, packing_available
-from service.engine.offline import OfflineEngine
-from service.engine.request import GenerationParams
+from service.engine.config import EngineConfig
+from service.engine.engine import Engine
+from service.engine.request import GenerationParams, Request
+from service.engine.runner import runner_for
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ROOT / "runs" / "gguf"
@@ -109,23 +112,35 @@ class LlamaCpp:
 
 class Ours:
     def __init__(self, path: Path, activation_bits: int) -> None:
-        self.model, tokenizer = load_gguf(path)
+        self.model, self.tokenizer = load_gguf(path)
         set_activation_bits(self.model, activation_bits)  # what Engine.from_checkpoint does (EngineConfig's)
         if packing_available():
             pack_linear_layers(self.model)  # and this: the float layers (norms stay)
-        self.engine = OfflineEngine(self.model, tokenizer, n_slots=1, num_speculative_tokens=0)
+        self.config = EngineConfig(n_slots=1, queue_timeout_s=None, request_timeout_s=None, num_speculative_tokens=0)
+
+    def _started(self, prompt: list[int], max_tokens: int) -> Engine:
+        """A fresh engine (its KV pool made) holding one greedy request, not yet stepped."""
+        engine = Engine(runner_for(self.model, self.tokenizer, self.config), self.config)
+        engine.add_request(Request("timed", prompt, GenerationParams(max_tokens=max_tokens, sampling=GREEDY, ignore_eos=True)))
+        return engine
 
     def decode(self, prompt: list[int]) -> float:
-        params = GenerationParams(max_tokens=DECODE_TOKENS, sampling=GREEDY, ignore_eos=True)
-        self.engine.generate([prompt[:1]], GenerationParams(max_tokens=1, sampling=GREEDY))  # the prompt's cost apart
-        start = time.perf_counter()
-        [completion] = self.engine.generate([prompt], params)
-        assert len(completion.token_ids) == DECODE_TOKENS
-        return DECODE_TOKENS / (time.perf_counter() - start)
+        """The decode steps after the prompt's step, as llama.cpp's evals after its prompt's."""
+        engine = self._started(prompt, DECODE_TOKENS + 1)
+        while not any(d.token_ids for d in engine.step().deltas):  # the prompt's step: its first token
+            pass
+        start, made = time.perf_counter(), 0
+        while engine.has_work:
+            made += sum(len(d.token_ids) for d in engine.step().deltas)
+        assert made == DECODE_TOKENS
+        return made / (time.perf_counter() - start)
 
     def prefill(self, prompt: list[int]) -> float:
+        """The prompt's steps, to its first token."""
+        engine = self._started(prompt, 1)
         start = time.perf_counter()
-        self.engine.generate([prompt], GenerationParams(max_tokens=1, sampling=GREEDY))
+        while engine.has_work:
+            engine.step()
         return len(prompt) / (time.perf_counter() - start)
 
     def logits(self, prompt: list[int]) -> np.ndarray:

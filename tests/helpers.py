@@ -182,7 +182,11 @@ def python_m_service(models: dict[str, Path], options: tuple[str, ...] = ()) -> 
                 break
             assert time.monotonic() < deadline, "".join(lines[-30:])
         assert process.poll() is None, "".join(lines[-30:])
+        # Read on to the end (a pipe nobody reads would block the service once full); kept for the report below.
+        threading.Thread(target=lambda: lines.extend(process.stdout or ()), name="service-output", daemon=True).start()
         yield f"http://127.0.0.1:{port}"
     finally:
+        if process.poll() is not None:  # it ended before its tests did: why, in the tests' captured output
+            print(f"python -m service exited with {process.returncode}:", "".join(lines[-60:]))
         process.terminate()
         process.wait(timeout=60)
