@@ -147,6 +147,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
+            self._verdicts.pop(request_id, None)  # one aborted while its grammar compiles gets none
         self._send(Abort(request_id))
 
     def _send(self, message: object) -> None:
