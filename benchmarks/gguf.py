@@ -9,13 +9,16 @@ llama.cpp is llama-cpp-python 0.3.36 (installed into this environment on first u
 llama.cpp from source for this CPU, a few minutes), n_threads 1; ours is the Engine, stepped in
 this process, over load_gguf's model with torch's 1 thread, 8-bit activations
 (EngineConfig.activation_bits' default), speculative decoding off (llama.cpp has none by default;
-random weights' repetitive answers would flatter it), eager steps (not --compiled-decode).
+random weights' repetitive answers would flatter it): eager steps ("ours"), and ("ours_compiled")
+with the decode step at batch 1 compiled (EngineConfig.compiled_decode (1,), what `--compiled-decode
+1` serves; compiled when its engine is made, before any timing: a minute or three per file the
+first time, less from torch's caches).
 
 Per file, the systems taking turns for --repeats rounds, each keeping its best:
 - decode_tok_s: greedy decoding at batch 1, 128 tokens after a 16-token prompt, timed after the
   prompt (llama.cpp: its eval of one token at a time, the next picked by argmax of its logits;
-  ours: one request, ignore_eos, its 128 steps after the prompt's; each engine and its KV pool
-  made before the timing, as llama.cpp's context);
+  ours: one request, ignore_eos, its 128 steps after the prompt's; each system's engine and KV
+  pool made once, before any timing, as llama.cpp's context);
 - prompt_tok_s: a 512-token prompt's prefill (llama.cpp: one eval of n_batch 512; ours: a request
   for one token, its steps to the first token);
 - top1_agreement: the share of a 256-token prompt's positions whose most likely next token is the
@@ -24,7 +27,7 @@ Per file, the systems taking turns for --repeats rounds, each keeping its best:
 - resident_weight_bytes: ours' model's tensors, against the file's size.
 
 Prints a table; --json writes the figures (default benchmarks/results/gguf_llama_cpp.json), each
-ratio ours / llama.cpp (<figure>_ratio), the CPU named.
+ratio ours / llama.cpp (<figure>_ratio; decode_tok_s_compiled_ratio for the compiled step), the CPU named.
 """
 
 import argparse
@@ -111,18 +114,23 @@ class LlamaCpp:
 
 
 class Ours:
-    def __init__(self, path: Path, activation_bits: int) -> None:
+    def __init__(self, path: Path, activation_bits: int, compiled: bool = False) -> None:
         self.model, self.tokenizer = load_gguf(path)
         set_activation_bits(self.model, activation_bits)  # what Engine.from_checkpoint does (EngineConfig's)
         if packing_available():
             pack_linear_layers(self.model)  # and this: the float layers (norms stay)
-        self.config = EngineConfig(n_slots=1, queue_timeout_s=None, request_timeout_s=None, num_speculative_tokens=0)
+        config = EngineConfig(
+            n_slots=1, queue_timeout_s=None, request_timeout_s=None, num_speculative_tokens=0, compiled_decode=(1,) if compiled else ()
+        )
+        self.engine = Engine(runner_for(self.model, self.tokenizer, config), config)  # its KV pool made, its step compiled
+        self._requests = 0
 
     def _started(self, prompt: list[int], max_tokens: int) -> Engine:
-        """A fresh engine (its KV pool made) holding one greedy request, not yet stepped."""
-        engine = Engine(runner_for(self.model, self.tokenizer, self.config), self.config)
-        engine.add_request(Request("timed", prompt, GenerationParams(max_tokens=max_tokens, sampling=GREEDY, ignore_eos=True)))
-        return engine
+        """The engine holding one more greedy request, not yet stepped."""
+        self._requests += 1
+        params = GenerationParams(max_tokens=max_tokens, sampling=GREEDY, ignore_eos=True)
+        self.engine.add_request(Request(f"timed-{self._requests}", prompt, params))
+        return self.engine
 
     def decode(self, prompt: list[int]) -> float:
         """The decode steps after the prompt's step, as llama.cpp's evals after its prompt's."""
@@ -159,21 +167,24 @@ class Ours:
 
 
 def measure(path: Path, repeats: int) -> dict[str, Any]:
-    llama, ours, ours_float = LlamaCpp(path), Ours(path, 8), Ours(path, 32)
+    llama, ours, ours_compiled, ours_float = LlamaCpp(path), Ours(path, 8), Ours(path, 8, compiled=True), Ours(path, 32)
     figures: dict[str, Any] = {"file": path.name, "file_bytes": path.stat().st_size}
-    for system in (llama, ours):
+    systems: list[tuple[str, LlamaCpp | Ours]] = [("llama_cpp", llama), ("ours", ours), ("ours_compiled", ours_compiled)]
+    for _, system in systems:
         system.decode(prompt_ids(DECODE_PROMPT, 0))  # warm-up
         system.prefill(prompt_ids(PROMPT_TOKENS, 1))
     best: dict[str, float] = {}
-    systems: list[tuple[str, LlamaCpp | Ours]] = [("llama_cpp", llama), ("ours", ours)]
     for turn in range(repeats):
         for name, system in systems:
-            decode, prefill = system.decode(prompt_ids(DECODE_PROMPT, 10 + turn)), system.prefill(prompt_ids(PROMPT_TOKENS, 20 + turn))
+            decode = system.decode(prompt_ids(DECODE_PROMPT, 10 + turn))
             best[f"decode_tok_s_{name}"] = max(best.get(f"decode_tok_s_{name}", 0.0), decode)
-            best[f"prompt_tok_s_{name}"] = max(best.get(f"prompt_tok_s_{name}", 0.0), prefill)
+            if name != "ours_compiled":  # a prompt's steps are eager in both
+                prefill = system.prefill(prompt_ids(PROMPT_TOKENS, 20 + turn))
+                best[f"prompt_tok_s_{name}"] = max(best.get(f"prompt_tok_s_{name}", 0.0), prefill)
     figures |= {key: round(value, 1) for key, value in best.items()}
     for figure in ("decode_tok_s", "prompt_tok_s"):
         figures[f"{figure}_ratio"] = round(best[f"{figure}_ours"] / best[f"{figure}_llama_cpp"], 2)
+    figures["decode_tok_s_compiled_ratio"] = round(best["decode_tok_s_ours_compiled"] / best["decode_tok_s_llama_cpp"], 2)
     prompt = prompt_ids(AGREEMENT_TOKENS, 99)
     theirs = llama.logits(prompt)
     for name, system in [("", ours), ("_float_activations", ours_float)]:
@@ -196,11 +207,12 @@ def main() -> None:
     ensure_llama_cpp()
     folder = args.folder or build_folder(DEFAULT.folder, DEFAULT.shape, DEFAULT.model)
     results = [measure(gguf_file(folder, kind), args.repeats) for kind in args.types.split(",")]
-    print(f"{'file':34} {'decode tok/s llama.cpp / ours':>32} {'prompt tok/s':>24} {'top-1':>7} {'resident/file':>14}")
+    print(f"{'file':34} {'decode tok/s llama.cpp / ours / compiled':>48} {'prompt tok/s':>24} {'top-1':>7} {'resident/file':>14}")
     for r in results:
         decode = f"{r['decode_tok_s_llama_cpp']} / {r['decode_tok_s_ours']} ({r['decode_tok_s_ratio']}x)"
+        decode += f" / {r['decode_tok_s_ours_compiled']} ({r['decode_tok_s_compiled_ratio']}x)"
         prompt = f"{r['prompt_tok_s_llama_cpp']} / {r['prompt_tok_s_ours']} ({r['prompt_tok_s_ratio']}x)"
-        print(f"{r['file']:34} {decode:>32} {prompt:>24} {r['top1_agreement']:>7} {r['resident_over_file']:>14}")
+        print(f"{r['file']:34} {decode:>48} {prompt:>24} {r['top1_agreement']:>7} {r['resident_over_file']:>14}")
     if args.json:
         document = {"commit": commit(), "machine": machine(), "llama_cpp": LLAMA_CPP, "threads": 1, "folder": str(folder), "files": results}
         args.json.write_text(json.dumps(document, indent=1) + "\n")

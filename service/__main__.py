@@ -73,6 +73,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="speculative decoding by prompt lookup: up to K tokens proposed per decoding sequence "
         f"(0: off; default {EngineConfig.num_speculative_tokens})",
     )
+    parser.add_argument(
+        "--stream-interval-ms",
+        type=milliseconds,
+        default=None,
+        metavar="MS",
+        help="a stream's first token at once, then at most one event per MS, carrying the tokens made meanwhile "
+        f"(0: each step's tokens as they come, as vLLM streams; default {ModelServingConfig.model_fields['stream_interval_ms'].default})",
+    )
     parser.add_argument("--cors-origin", action="append", default=[], help="an origin browsers may call the API from (repeatable)")
     parser.add_argument(
         "--through-proxy",
@@ -114,6 +122,17 @@ def batch_sizes(text: str) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def milliseconds(text: str) -> float:
+    """--stream-interval-ms's value: a number of milliseconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds (0 or more)")
+    return value
+
+
 def model_entries(specs: list[str]) -> list[ModelServingConfig]:
     """--model NAME=PATH or PATH (named after the folder), each read from its folder; a folder that
     cannot be served is a ValueError of one line."""
@@ -153,6 +172,8 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             sizes = tuple(b for b in args.compiled_decode if b <= engine.n_slots)
             engine = replace(engine, compiled_decode=sizes, compile_in_background=True)
         update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}
+        if args.stream_interval_ms is not None:
+            update["stream_interval_ms"] = args.stream_interval_ms
         if args.quantization is not None and model.checkpoint.suffix != ".gguf":
             update["quantization"] = args.quantization
         return model.model_copy(update=update)

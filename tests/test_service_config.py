@@ -91,6 +91,12 @@ def test_model_flags_serve_exactly_those_folders_named_as_told_or_after_the_fold
     assert config.generator.engine.num_speculative_tokens == 4  # speculative decoding on unless turned off
     off = service_config(parse_args(["--model", str(DEFAULT_GENERATOR), "--speculative-tokens", "0"]))
     assert off.generator.engine.num_speculative_tokens == 0
+    assert config.generator.stream_interval_ms == 50.0  # ServingConfig's default unless told
+    every_step = service_config(parse_args(["--model", str(copy), "--model", str(DEFAULT_GENERATOR), "--stream-interval-ms", "0"]))
+    assert [m.stream_interval_ms for m in every_step.models] == [0.0, 0.0]
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            parse_args(["--stream-interval-ms", bad])
 
 
 @pytest.mark.parametrize(
