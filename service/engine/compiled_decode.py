@@ -50,6 +50,11 @@ TIMED_STEPS = 5  # per system and batch size
 MIN_KEY_BLOCKS = 2  # a step's key blocks are padded to at least this many (size 1 would specialize)
 WARM_UP_SOURCE_TOKENS = 32  # a translator's timed steps: each row's source length
 WARM_UP_TRANSLATION_KEYS = 64  # and its target's keys (translations are short: 256 would time attention mostly)
+# The Python floats a step reads are the model's constants (a norm's eps, for one): traced as
+# symbols (dynamo's default with dynamic shapes), they made dynamo trace the step twice, its second
+# pass specializing them (TensorifyScalarRestartAnalysis): 44 s against 15 s a graph on a start whose
+# inductor and AOT caches hold it (SmolLM2-135M's shape, batch 1, 2 cores). Steps pass no floats.
+DYNAMO_CONFIG = {"specialize_float": True}
 
 
 class CompiledDecode:
@@ -81,6 +86,8 @@ class CompiledDecode:
             "size_asserts": False,
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
         }
+        named = sorted((name, getattr(value, "__name__", value)) for name, value in options.items())
+        self._options = f"{named} {DYNAMO_CONFIG}"  # the compile cache's key names them
         self._compiled = torch.compile(own_code(self._step), dynamic=True, options=options)
         self.timings: dict[int, tuple[float, float]] = {}  # batch size timed -> (eager, compiled) seconds per step
         self.batch_sizes: frozenset[int] = frozenset()  # those that run compiled (none until ready)
@@ -99,6 +106,7 @@ class CompiledDecode:
             if compile_cache is not None:
                 parameter = next(self.model.parameters())
                 what = [type(self.model).__name__, repr(self.model.config), str(parameter.dtype), self.device.type, repr(batch_sizes)]
+                what.append(self._options)
                 key = compile_cache.key(*what, "sources" if self.sources is not None else "")
             loaded = compile_cache is not None and compile_cache.load(key)
             self.batch_sizes = self._warm_up(batch_sizes)  # from here on, steps of these sizes run compiled
@@ -147,7 +155,8 @@ class CompiledDecode:
             # it here with that size symbolic, not at a request (without it, the shipped generator's
             # benchmark at 64 keys recompiled after a warm-up at 256).
             for length in (keys, min(keys, 3 * self.cache.block_size)):
-                self._compiled(*self._null_block_step(batch, length))
+                with torch._dynamo.config.patch(DYNAMO_CONFIG):
+                    self._compiled(*self._null_block_step(batch, length))
             compile_seconds = time.perf_counter() - started
             self.timings[batch] = self.time_step(batch, keys, TIMED_STEPS)
             faster = self.timings[batch][1] < self.timings[batch][0]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.symbolic_convert import TensorifyState
 from torch._dynamo.utils import counters
 
 from decoding.sampling_params import GREEDY
@@ -250,6 +251,23 @@ def test_a_warm_up_times_the_largest_size_of_each_power_of_two_bucket() -> None:
     }
     assert size_buckets([1, 4, 48]) == {1: [1], 4: [4], 48: [48]}  # sizes named one by one are each timed
     assert size_buckets([5, 6]) == {6: [5, 6]}
+
+
+def test_a_warm_up_traces_each_graph_once(llama: tuple[Generator, TextTokenizer], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's floats are constants of its graphs (DYNAMO_CONFIG): dynamo does not trace them as
+    symbols, then trace the whole step again to specialize them, which doubled a start's compile time."""
+    specialized: list[str] = []
+    specialize = TensorifyState.specialize  # bound to the class
+
+    def recorded(cls: type, name: str) -> None:
+        specialized.append(name)
+        specialize(name)
+
+    monkeypatch.setattr(TensorifyState, "specialize", classmethod(recorded))
+    model, tokenizer = llama
+    runner = GeneratorRunner(model, tokenizer, EngineConfig(n_slots=2, compiled_decode=(1, 2), compile_cache=False))
+    assert runner.compiled is not None and set(runner.compiled.timings) == {1, 2}  # both graphs compiled
+    assert specialized == []
 
 
 def test_compiled_batch_sizes_are_within_the_slots() -> None:
