@@ -31,6 +31,7 @@ ratio ours / llama.cpp (<figure>_ratio; decode_tok_s_compiled_ratio for the comp
 """
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -119,11 +120,16 @@ class Ours:
         set_activation_bits(self.model, activation_bits)  # what Engine.from_checkpoint does (EngineConfig's)
         if packing_available():
             pack_linear_layers(self.model)  # and this: the float layers (norms stay)
-        config = EngineConfig(
-            n_slots=1, queue_timeout_s=None, request_timeout_s=None, num_speculative_tokens=0, compiled_decode=(1,) if compiled else ()
-        )
-        self.engine = Engine(runner_for(self.model, self.tokenizer, config), config)  # its KV pool made, its step compiled
+        self.compiled = compiled
         self._requests = 0
+
+    @functools.cached_property
+    def engine(self) -> Engine:
+        """Made at the first request (the warm-up's, before any timing): its KV pool, its step
+        compiled. The float-activation system only gives logits and makes none."""
+        compiled = (1,) if self.compiled else ()
+        config = EngineConfig(n_slots=1, queue_timeout_s=None, request_timeout_s=None, num_speculative_tokens=0, compiled_decode=compiled)
+        return Engine(runner_for(self.model, self.tokenizer, config), config)
 
     def _started(self, prompt: list[int], max_tokens: int) -> Engine:
         """The engine holding one more greedy request, not yet stepped."""

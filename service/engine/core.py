@@ -54,8 +54,7 @@ class ModelInfo:
     def of(cls, runner: ModelRunner, n_slots: int) -> "ModelInfo":
         pool = runner.kv_pool
         blocks = None if pool is None else (pool.num_blocks - 1, pool.block_size)
-        bos_id = getattr(runner, "bos_id", None)
-        return cls(runner.tokenizer, runner.eos_id, bos_id, runner.pad_id, runner.max_len, runner.kv_cache_bytes, blocks, n_slots)
+        return cls(runner.tokenizer, runner.eos_id, runner.bos_id, runner.pad_id, runner.max_len, runner.kv_cache_bytes, blocks, n_slots)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A prompt's ids as the engine's runner reads them (ModelRunner.encode_prompt)."""

@@ -25,7 +25,7 @@ class FaultInjectingRunner:
         self.runner = runner
         self.tokenizer: TextTokenizer = runner.tokenizer
         self.eos_id, self.eos_ids, self.pad_id, self.max_len = runner.eos_id, runner.eos_ids, runner.pad_id, runner.max_len
-        self.bos_id: int | None = getattr(runner, "bos_id", None)  # a generator's (core.ModelInfo reads it)
+        self.bos_id = runner.bos_id
         self.max_prompt_len = runner.max_prompt_len
         self.strip_leading_space = runner.strip_leading_space
         self.kv_pool = runner.kv_pool

@@ -62,6 +62,10 @@ class ModelRunner(Protocol):
     max_prompt_len: int  # longest prompt (generator) or source (translator), in tokens
     strip_leading_space: bool  # output text starts without the word-boundary space its first token carries
 
+    @property
+    def bos_id(self) -> int | None:
+        """A generator's; None for a translator, whose decoder starts from its own start id."""
+
     def max_new_tokens(self, prompt_length: int) -> int:
         """The most tokens a request with this prompt can generate before its slot is full."""
 
@@ -467,6 +471,7 @@ class TranslatorRunner:
         self.cross_cache = CrossAttentionCache(n_layers, n_slots, c.n_heads, self.max_len, c.head_dim, self.device, dtype)
         self.max_prompt_len = self.max_len
         self.start_id, self.eos_id, self.pad_id = c.start_id, c.eos_id, c.pad_id
+        self.bos_id: int | None = None
         self.eos_ids = frozenset(c.eos_ids)
         self.suppressed = suppressed_index(c.suppressed_ids, self.device)
         self.strip_leading_space = True  # sentence tokenizers start a sentence with a word-boundary space
@@ -487,7 +492,7 @@ class TranslatorRunner:
         return self.max_len - 1  # position 0 holds the start token
 
     def encode_prompt(self, text: str) -> list[int]:
-        return prompt_ids(self.tokenizer, text, None, self.eos_id)
+        return prompt_ids(self.tokenizer, text, self.bos_id, self.eos_id)
 
     def default_max_tokens(self, prompt_length: int) -> int:
         return max_new_tokens_for(prompt_length, self.max_len)

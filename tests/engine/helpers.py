@@ -50,6 +50,7 @@ class FakeRunner:
 
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     eos_id: int = EOS_ID
+    bos_id: int | None = None
     pad_id: int = PAD_ID
     max_len: int = 1100
     max_prompt_len: int = 100
