@@ -175,7 +175,11 @@ class ServiceConfig(BaseModel):
     # return_attention: at most this many sentences per request (each map is layers x heads x T x S floats).
     max_attention_sentences: int = Field(4, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
-    ingress_max_queued_requests: int = 512
+    # Serve's own bound on the ingress's queue, a backstop behind ingress_max_in_flight. With direct
+    # ingress a request counts as queued from its arrival until the replica's event loop first runs
+    # it, so every request of a burst counts at once: a bound below the burst refused /healthz
+    # checks with Serve's undocumented 503 (tests/service/test_overload.py).
+    ingress_max_queued_requests: int = 4096
     # Ray actor options of the ingress replica (Serve's ray_actor_options, over {"num_cpus": 0}), e.g.
     # {"resources": {"head": 0.01}} to keep it on a node that is not lost with a worker.
     ingress_actor_options: dict[str, Any] = {}

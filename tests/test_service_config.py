@@ -1,6 +1,7 @@
 """The service's config: a model's Serve deployment options (one field, checked by Serve's own
 schema, passed through), and `python -m service`'s models from the command line."""
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from pydantic import ValidationError
 from ray.serve._private.build_app import build_app as build_serve_app
 
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
-from service.app import build_app
+from service.app import REPLICA_ENVIRONMENT, build_app
 from service.config import DEPLOYMENT_DEFAULTS, ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig
 
@@ -52,7 +53,32 @@ def test_the_ingress_actor_options_are_checked_by_serve_and_keep_it_off_the_cpus
         ServiceConfig(ingress_actor_options={"num_cpus": -1})
     config = ServiceConfig(ingress_actor_options={"resources": {"head": 0.01}})
     built = {d.name: d for d in build_serve_app(build_app(config), name="app").deployments}
-    assert built["Ingress"].ray_actor_options == {"num_cpus": 0, "resources": {"head": 0.01}}
+    assert built["Ingress"].ray_actor_options == {
+        "num_cpus": 0,
+        "resources": {"head": 0.01},
+        "runtime_env": {"env_vars": REPLICA_ENVIRONMENT},
+    }
+
+
+def test_every_replica_runs_serve_on_one_event_loop_and_keeps_its_own_runtime_env() -> None:
+    """REPLICA_ENVIRONMENT reaches the ingress and each model's replicas through their runtime_env,
+    under what a config sets there (its own env_vars win), and never this (the deploying) process."""
+    own = {"pip": ["numpy"], "env_vars": {"OMP_NUM_THREADS": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}}
+    translator, generator = ServiceConfig().translator, ServiceConfig().generator
+    config = ServiceConfig(
+        models=[translator, generator.model_copy(update={"deployment": {"ray_actor_options": {"num_cpus": 1, "runtime_env": own}}})],
+        ingress_actor_options={"runtime_env": {"config": {"setup_timeout_seconds": 60}}},
+    )
+    built = {d.name: d.ray_actor_options for d in build_serve_app(build_app(config), name="app").deployments}
+    assert built["Ingress"]["runtime_env"] == {"config": {"setup_timeout_seconds": 60}, "env_vars": REPLICA_ENVIRONMENT}
+    assert built[translator.name]["runtime_env"] == {"env_vars": REPLICA_ENVIRONMENT}
+    assert built[generator.name]["num_cpus"] == 1
+    assert built[generator.name]["runtime_env"] == {
+        "pip": ["numpy"],
+        "env_vars": {**REPLICA_ENVIRONMENT, "OMP_NUM_THREADS": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"},
+    }
+    assert own["env_vars"] == {"OMP_NUM_THREADS": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}  # the config's own left as it was
+    assert not REPLICA_ENVIRONMENT.keys() & os.environ.keys()
 
 
 def test_the_command_lines_config_sets_replicas_and_cpus_through_serves_options() -> None:
