@@ -376,16 +376,22 @@ def completion_logprobs(chunk: Chunk, echo: bool, offset: int) -> dict[str, Any]
 class CompletionFrames:
     """A completions stream's choice for each chunk: its text, the prompt's before it on the first
     with echo, and with logprobs its tokens' (text offsets running on over each choice's stream).
-    None for an empty chunk before the end."""
+    No frame for a chunk without text before the end, but for a choice's first tokens: a client
+    sees its first token when it is made, even one that is no whole character yet (vLLM sends a
+    frame for every step that made tokens, text or not)."""
 
     echo: bool
     logprobs: bool
     next_offset: dict[int, int] = field(default_factory=dict)  # by choice
+    begun: set[int] = field(default_factory=set)  # the choices whose first tokens have been sent
 
     def __call__(self, index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
         text = (chunk.echo or "") + chunk.text if self.echo else chunk.text
-        if not text and chunk.finish_reason is None and not chunk.logprobs:
+        opening = chunk.completion_tokens > 0 and index not in self.begun
+        if not text and chunk.finish_reason is None and not chunk.logprobs and not opening:
             return []
+        if chunk.completion_tokens > 0:
+            self.begun.add(index)
         scores = None
         if self.logprobs:
             offset = self.next_offset.get(index, 0)

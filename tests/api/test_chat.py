@@ -231,3 +231,26 @@ def test_a_forced_call_streams_its_name_then_its_arguments_in_pieces_through_the
         whole = client.chat.completions.create(messages=messages, model="transformer-shakespeare", tools=tools, tool_choice=choice)
         [call] = whole.choices[0].message.tool_calls or []
         assert (call.id, call.function.name, call.function.arguments) == ("call_a", "get_weather", '{"city": "Köln"}')
+
+
+class HalfCharacterModel(EchoModel):
+    """Answers "é!" whose first token is half of "é" (no text yet), with an empty chunk before any
+    token (nothing made yet) and one without text in the middle."""
+
+    async def stream(self, request: GenerateRequest) -> AsyncGenerator[Chunk | Refusal, None]:
+        yield Chunk("", prompt_tokens=5)
+        yield Chunk("", prompt_tokens=5, completion_tokens=1)
+        yield Chunk("é", prompt_tokens=5, completion_tokens=2)
+        yield Chunk("", prompt_tokens=5, completion_tokens=3)
+        yield Chunk("!", "stop", prompt_tokens=5, completion_tokens=4)
+
+
+def test_a_streamed_completion_sends_its_first_tokens_when_made_even_without_text() -> None:
+    """The first frame comes with the first tokens, text or not (a client's time to first token);
+    a chunk without text later sends nothing, and nothing goes out before a token is made."""
+    http = TestClient(create_api(ServiceConfig(), backends_for(ServiceConfig(), HalfCharacterModel())))
+    frames = events(http, "/v1/completions", {"prompt": "x", "stream": True})
+    assert frames[-1] == "[DONE]"
+    assert [(f["choices"][0]["text"], f["choices"][0]["finish_reason"]) for f in frames[:-1]] == [("", None), ("é", None), ("!", "stop")]  # type: ignore[index, call-overload]
+    answer = http.post("/v1/completions", json={"prompt": "x"}).json()
+    assert answer["choices"][0]["text"] == "é!" and answer["usage"]["completion_tokens"] == 4
