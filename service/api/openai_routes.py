@@ -387,11 +387,10 @@ class CompletionFrames:
 
     def __call__(self, index: int, chunk: Chunk, first: bool) -> list[dict[str, Any]]:
         text = (chunk.echo or "") + chunk.text if self.echo else chunk.text
-        opening = chunk.completion_tokens > 0 and index not in self.begun
-        if not text and chunk.finish_reason is None and not chunk.logprobs and not opening:
-            return []
-        if chunk.completion_tokens > 0:
+        if chunk.completion_tokens > 0 and index not in self.begun:  # the choice's first tokens
             self.begun.add(index)
+        elif not text and chunk.finish_reason is None and not chunk.logprobs:
+            return []
         scores = None
         if self.logprobs:
             offset = self.next_offset.get(index, 0)
