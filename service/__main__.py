@@ -167,9 +167,10 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             engine = replace(engine, n_slots=args.slots)
         if args.speculative_tokens is not None:
             engine = replace(engine, num_speculative_tokens=args.speculative_tokens)
-        if args.compiled_decode:  # the sizes a model's slots hold
+        if args.compiled_decode:  # the sizes a model's decode steps have (a generator's verifications: a row per token)
             # compiled on a thread of its own while the replica serves eagerly
-            sizes = tuple(b for b in args.compiled_decode if b <= engine.n_slots)
+            rows = engine.max_decode_rows if model.kind == "generator" else engine.n_slots
+            sizes = tuple(b for b in args.compiled_decode if b <= rows)
             engine = replace(engine, compiled_decode=sizes, compile_in_background=True)
         update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}
         if args.stream_interval_ms is not None:

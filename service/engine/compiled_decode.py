@@ -1,7 +1,9 @@
 """Decode steps compiled by torch.compile (inductor), where that is faster: a decoder-only model's
 decode-only steps, and a translator's decoder steps.
 
-A decode-only step (one new token per sequence) runs the same small operations in every layer:
+A decode-only step (one new token per sequence, or speculative decoding's verification: a row per
+token verified, each a decode of its own whose keys the rows before it wrote in the same step)
+runs the same small operations in every layer:
 norms, rotary positions, the residual adds, the activation. Eagerly, each is
 a dispatch and a pass over memory; inductor fuses them into a few C++ loops, and writes the new keys
 and values into the pool in place. The linear layers' kernels (model/packed_linear.py) and the CPU
@@ -136,8 +138,9 @@ class CompiledDecode:
         self, ids: Tensor, positions: list[int], tables: list[list[int]], sources: tuple[Tensor, Tensor] | None = None
     ) -> Tensor | None:
         """The logits (B, V) of a decode-only step, compiled: ids (B,), each row's position and its
-        block table (holding that position); a translator's rows' sources (CrossAttentionCache.sources).
-        None when its batch size runs eagerly."""
+        block table (holding that position; rows of one sequence share it, each attending up to its
+        own position); a translator's rows' sources (CrossAttentionCache.sources). None when its
+        batch size runs eagerly."""
         if ids.shape[0] not in self.batch_sizes:
             return None
         key_blocks = decode_blocks(positions, tables, self.cache.block_size, self.device)

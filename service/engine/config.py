@@ -81,8 +81,9 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
     prefix_caching: bool = True
-    # Batch sizes at which a decoder-only model's decode-only steps, and a translator's decoder steps
-    # (its rows, each beam one; where the CPU attention kernel runs), run compiled by torch.compile
+    # Batch sizes (rows) at which a decoder-only model's decode-only steps (a row per sequence, or a
+    # row per verified token: max_decode_rows), and a translator's decoder steps (its rows, each
+    # beam one; where the CPU attention kernel runs), run compiled by torch.compile
     # (inductor; service/engine/compiled_decode.py): compiled when the replica starts (a minute or
     # two per graph on 2 CPU cores) and timed against the eager step once per power-of-two bucket
     # of sizes, each bucket kept only where the compiled step is faster. Empty: every step eager.
@@ -136,8 +137,8 @@ class EngineConfig:
             self.default_max_tokens is not None and self.default_max_tokens < 1
         ):
             raise ValueError("max_tokens_cap and default_max_tokens must be at least 1")
-        if any(not 1 <= size <= self.n_slots for size in self.compiled_decode):
-            raise ValueError(f"compiled_decode batch sizes must be between 1 and n_slots ({self.n_slots})")
+        if any(not 1 <= size <= self.max_decode_rows for size in self.compiled_decode):
+            raise ValueError(f"compiled_decode batch sizes must be between 1 and max_decode_rows ({self.max_decode_rows})")
         if self.grammar_max_bytes < 1 or self.grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_max_bytes and grammar_compile_timeout_s must be positive")
         if min(self.num_speculative_tokens, self.speculation_max_batch, self.recent_outputs_tokens) < 0 or not (
@@ -148,6 +149,12 @@ class EngineConfig:
             raise ValueError(message)
         if self.max_context is not None and self.max_context < 2:
             raise ValueError("max_context must be at least 2 (a prompt token and one generated)")
+
+    @property
+    def max_decode_rows(self) -> int:
+        """The most rows a decode step computes: one per sequence (n_slots), or, verifying drafts, one
+        per token verified (1 + num_speculative_tokens for each of up to speculation_max_batch sequences)."""
+        return max(self.n_slots, min(self.n_slots, self.speculation_max_batch) * (1 + self.num_speculative_tokens))
 
 
 # The KV pool's default ceiling when neither kv_cache_bytes nor kv_cache_memory_fraction is set

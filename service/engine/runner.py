@@ -299,11 +299,18 @@ class GeneratorRunner:
             step_rows = self.decode_rows(fed)  # in requests' order
         else:
             ids = torch.tensor([i for t in tokens for i in t], device=self.device)
-            positions = torch.tensor([p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)], device=self.device)
+            positions_list = [p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)]
             tables = [plan.block_tables[r.request_id] for r in requests]
-            step = ragged_step(counts, starts, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
-            logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-            step_rows = StepRows(self.model.hidden_ragged(ids, positions, self.cache.layers(step), logit_rows), self.model.logits)
+            compiled = None
+            if self.compiled is not None and not plan.prefill and len(rows) == len(positions_list):  # verifications only
+                compiled = self.compiled(ids, positions_list, [t for t, n in zip(tables, counts, strict=True) for _ in range(n)])
+            if compiled is not None:  # each row a decode of its own, after the rows before it (their keys written first)
+                step_rows = StepRows(compiled)
+            else:
+                step = ragged_step(counts, starts, tables, self.cache.block_size, self.device, self.model.positions.alibi_slopes)
+                positions = torch.tensor(positions_list, device=self.device)
+                logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+                step_rows = StepRows(self.model.hidden_ragged(ids, positions, self.cache.layers(step), logit_rows), self.model.logits)
         if any(scored):
             scored_rows = step_rows.logits(0, len(rows))
             sampling, next_logits = self._score_prompts(output, requests, counts, starts, done, scored, plan.drafts, scored_rows)

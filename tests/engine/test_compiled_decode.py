@@ -205,6 +205,45 @@ def test_an_engine_with_compiled_decodes_answers_as_the_plain_engine(
         assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)
 
 
+def test_speculations_verification_steps_run_compiled_and_answer_as_the_plain_engine(
+    llama: tuple[Generator, TextTokenizer], runner: GeneratorRunner, compiled: CompiledDecode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that only verifies drafts is a decode step of a row per token (each row's key written
+    before any row attends, so a draft's row sees the rows before it): it runs the compiled graph
+    at its number of rows, and the answers are the plain engine's (no speculation, eager)."""
+    model, tokenizer = llama
+    plain_config = EngineConfig(n_slots=4, num_speculative_tokens=0)
+    plain = Engine(GeneratorRunner(model, tokenizer, plain_config), plain_config)
+    config = EngineConfig(n_slots=4, num_speculative_tokens=3)  # a request's verification: up to 4 rows, compiled sizes 1-4
+    fast = Engine(runner, config)
+    verified: list[int] = []  # rows of each compiled step whose rows share a block table: a verification
+    call = CompiledDecode.__call__
+
+    def recorded(self: CompiledDecode, ids: torch.Tensor, positions: list[int], tables: list[list[int]]) -> torch.Tensor | None:
+        logits = call(self, ids, positions, tables)
+        if logits is not None and len({tuple(t) for t in tables}) < len(tables):
+            verified.append(len(tables))
+        return logits
+
+    monkeypatch.setattr(CompiledDecode, "__call__", recorded)
+    texts = ["Let us kill him", "O", "We are accounted poor citizens"]
+    params = GenerationParams(max_tokens=30, sampling=GREEDY)
+
+    def arrivals(engine: Engine) -> dict[int, list[Request]]:
+        return {20 * i: [Request(str(i), engine.runner.encode_prompt(t), params)] for i, t in enumerate(texts)}  # one at a time
+
+    expected, got = run(plain, arrivals(plain)), run(fast, arrivals(fast))
+    assert verified and max(verified) > 1  # random weights' answers repeat themselves: their drafts are verified
+    assert got.keys() == expected.keys()
+    for request_id, tokens in got.items():
+        prompt = plain.runner.encode_prompt(texts[int(request_id)])
+
+        def logits_after(prefix: list[int], prompt: list[int] = prompt) -> torch.Tensor:
+            return model(torch.tensor([prompt + prefix]))[0, -1]
+
+        assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)
+
+
 @torch.inference_mode()
 def test_a_background_compile_serves_eagerly_meanwhile_and_keeps_its_artifacts(
     llama: tuple[Generator, TextTokenizer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -270,9 +309,13 @@ def test_a_warm_up_traces_each_graph_once(llama: tuple[Generator, TextTokenizer]
     assert specialized == []
 
 
-def test_compiled_batch_sizes_are_within_the_slots() -> None:
+def test_compiled_batch_sizes_are_within_a_decode_steps_rows() -> None:
+    """A row per sequence, or per token a verification computes (1 + 4 for each of 4 sequences)."""
     with pytest.raises(ValueError, match="compiled_decode"):
-        EngineConfig(n_slots=4, compiled_decode=(1, 8))
+        EngineConfig(n_slots=4, num_speculative_tokens=0, compiled_decode=(1, 8))
+    assert EngineConfig(n_slots=4, compiled_decode=(1, 20)).max_decode_rows == 20
+    with pytest.raises(ValueError, match="compiled_decode"):
+        EngineConfig(n_slots=4, compiled_decode=(1, 21))
 
 
 def test_a_runner_compiles_only_what_the_config_names(tmp_path: Path) -> None:
