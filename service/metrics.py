@@ -90,6 +90,9 @@ class ServingMetrics:
         self.prefix_hits = Counter("serving_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", tags)
         self.kv_blocks_used = Gauge("serving_kv_cache_blocks_used", "KV-cache blocks held by running requests.", tags)
         self.kv_blocks_total = Gauge("serving_kv_cache_blocks_total", "KV-cache blocks in the pool.", tags)
+        self.compiled_sizes = Gauge(
+            "serving_compiled_decode_batch_sizes", "Decode batch sizes (rows) running compiled (-1 while they compile).", tags
+        )
         self.preemptions = Counter("serving_num_preemptions_total", "Running requests preempted (blocks freed, recomputed later).", tags)
         # Speculative decoding (vLLM's vllm:spec_decode_*): sequences that verified drafts, the drafts,
         # those accepted, and those accepted by position (the first draft, the second, ...).
@@ -108,7 +111,7 @@ class ServingMetrics:
         metrics: list[Counter | Gauge | Histogram] = [
             self.ttft, self.itl, self.queue, self.e2e, self.prefill, self.batch_size, self.step_seconds, self.step_sequences,
             self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens, self.success, self.failure,
-            self.prefix_queries, self.prefix_hits, self.kv_blocks_used, self.kv_blocks_total, self.preemptions,
+            self.prefix_queries, self.prefix_hits, self.kv_blocks_used, self.kv_blocks_total, self.preemptions, self.compiled_sizes,
             self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_accepted_per_pos,
         ]  # fmt: skip
         for metric in metrics:
@@ -116,6 +119,7 @@ class ServingMetrics:
         self.running.set(0)
         self.waiting.set(0)
         self.kv_usage.set(0)
+        self.compiled_sizes.set(0)
 
     def record_failure(self, reason: str) -> None:
         assert reason in FAILURE_REASONS, reason
@@ -147,6 +151,7 @@ class ServingMetrics:
         self.running.set(report.running)
         self.waiting.set(report.waiting)
         self.kv_usage.set(report.kv_cache_usage)
+        self.compiled_sizes.set(report.compiled_batch_sizes)
         if report.kv_blocks_total:
             self.kv_blocks_used.set(report.kv_blocks_used)
             self.kv_blocks_total.set(report.kv_blocks_total)

@@ -104,7 +104,11 @@ def test_model_flags_serve_exactly_those_folders_named_as_told_or_after_the_fold
     ]
     assert (config.translator.source_lang, config.translator.target_lang) == ("en", "de")
     assert config.generator.engine.default_max_tokens == 16 and config.translator.engine.n_slots == 64
-    assert config.generator.engine.compiled_decode == ()  # eager unless asked
+    # Compiled where it measures faster unless told otherwise: up to 64 rows (a translator's slots)
+    assert config.generator.engine.compiled_decode == config.translator.engine.compiled_decode == tuple(range(1, 65))
+    assert config.generator.engine.compile_in_background and config.translator.engine.compile_in_background
+    eager = service_config(parse_args(["--model", str(copy), "--compiled-decode", "none"]))
+    assert eager.translator.engine.compiled_decode == ()
 
     args = ["--model", f"poet={DEFAULT_GENERATOR}", "--model", str(copy), "--compiled-decode", "1,4,100"]
     compiled = service_config(parse_args(args))  # each model's sizes are those its slots hold (256 and 64)

@@ -60,6 +60,7 @@ class StepReport:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    compiled_batch_sizes: int = 0  # decode batch sizes (rows) that run compiled (those that measured faster); -1 while compiling
 
 
 @dataclass
@@ -270,6 +271,9 @@ class Engine:
         report.running, report.waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         report.kv_cache_usage = self.scheduler.kv_usage
         report.preemptions = len(plan.preempted)
+        if self.runner.compiled is not None:
+            compiled = self.runner.compiled
+            report.compiled_batch_sizes = len(compiled.batch_sizes) if compiled.ready.is_set() else -1
         if self.blocks is not None:
             stats = self.blocks.stats
             report.prefix_cache_queries, report.prefix_cache_hits = stats.queries, stats.hits

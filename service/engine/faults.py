@@ -29,6 +29,7 @@ class FaultInjectingRunner:
         self.max_prompt_len = runner.max_prompt_len
         self.strip_leading_space = runner.strip_leading_space
         self.kv_pool = runner.kv_pool
+        self.compiled = runner.compiled
         self._lock = threading.Lock()
         self._kind: FaultKind = "error"
         self._remaining = 0

@@ -61,6 +61,7 @@ class ModelRunner(Protocol):
     max_len: int  # the serving context: a sequence's prompt and output together
     max_prompt_len: int  # longest prompt (generator) or source (translator), in tokens
     strip_leading_space: bool  # output text starts without the word-boundary space its first token carries
+    compiled: CompiledDecode | None  # its compiled decode steps (EngineConfig.compiled_decode), if any
 
     @property
     def bos_id(self) -> int | None:

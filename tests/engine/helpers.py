@@ -56,6 +56,7 @@ class FakeRunner:
     max_prompt_len: int = 100
     strip_leading_space: bool = False
     kv_pool: None = None  # no paged KV: the scheduler admits by slots alone
+    compiled: None = None  # no compiled steps
     fail_on: set[str] = field(default_factory=set)  # request ids whose step raises
     executed: list[SchedulerOutput] = field(default_factory=list)
     step_seconds: float = 0.0  # simulated model time per step, added to `clock`

@@ -25,7 +25,7 @@ from model.translator import Translator
 from service.engine.compile_cache import CompileCache
 from service.engine.compiled_decode import CompiledDecode, size_buckets
 from service.engine.config import EngineConfig
-from service.engine.engine import Engine
+from service.engine.engine import Engine, StepReport
 from service.engine.request import GenerationParams, Request
 from service.engine.runner import GeneratorRunner, TranslatorRunner
 from tests.engine.helpers import assert_equal_up_to_a_tie, run
@@ -216,6 +216,8 @@ def test_speculations_verification_steps_run_compiled_and_answer_as_the_plain_en
     plain = Engine(GeneratorRunner(model, tokenizer, plain_config), plain_config)
     config = EngineConfig(n_slots=4, num_speculative_tokens=3)  # a request's verification: up to 4 rows, compiled sizes 1-4
     fast = Engine(runner, config)
+    reports: list[StepReport] = []
+    fast.on_step = reports.append
     verified: list[int] = []  # rows of each compiled step whose rows share a block table: a verification
     call = CompiledDecode.__call__
 
@@ -234,6 +236,11 @@ def test_speculations_verification_steps_run_compiled_and_answer_as_the_plain_en
 
     expected, got = run(plain, arrivals(plain)), run(fast, arrivals(fast))
     assert verified and max(verified) > 1  # random weights' answers repeat themselves: their drafts are verified
+    assert {r.compiled_batch_sizes for r in reports} == {4}  # the sizes running compiled, in every step's report
+    compiled.ready.clear()  # as while a background compile runs
+    fast.report_idle()
+    compiled.ready.set()
+    assert reports[-1].compiled_batch_sizes == -1
     assert got.keys() == expected.keys()
     for request_id, tokens in got.items():
         prompt = plain.runner.encode_prompt(texts[int(request_id)])
