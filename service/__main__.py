@@ -16,7 +16,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -30,7 +29,7 @@ from pydantic import ValidationError
 
 from model.config import Quantization
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
-from service.engine.config import EngineConfig
+from service.engine.config import EngineConfig, parse_batch_sizes
 
 API_KEYS_ENV = "SERVING_API_KEYS"  # not a flag: a process's arguments are visible to every user
 # Decode steps of up to 64 rows compiled where that measures faster (1.1-1.35x a step on SmolLM2-135M's
@@ -116,17 +115,11 @@ def free_port(host: str) -> int:
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:
-    """--compiled-decode's value: comma-separated batch sizes and ranges, "1,4" or "1-64" (both
-    ends in it), in ascending order without repeats (EngineConfig checks their range); "none": ()."""
-    if text.strip() == "none":
-        return ()
-    sizes: set[int] = set()
-    for item in text.split(","):
-        bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
-        if bounds is None or int(bounds[2] or bounds[1]) < int(bounds[1]):
-            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not a batch size or an ascending range of them (1-64)")
-        sizes.update(range(int(bounds[1]), int(bounds[2] or bounds[1]) + 1))
-    return tuple(sorted(sizes))
+    """--compiled-decode's value (parse_batch_sizes)."""
+    try:
+        return parse_batch_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def milliseconds(text: str) -> float:

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from loading.folder import CheckpointError, ModelKind, inspect_folder
 from model.config import Quantization
 from model.paths import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, DEFAULT_TRANSLATOR_FR
-from service.engine.config import EngineConfig
+from service.engine.config import EngineConfig, parse_batch_sizes
 
 # Set for Ray's processes before `ray.init` (and in the Dockerfile): a proxy start timeout for busy
 # machines, replicas at Ray's daemons' niceness, two malloc arenas, Serve's gRPC transport, Serve's
@@ -108,6 +108,14 @@ class ModelServingConfig(BaseModel):
         if self.quantization is not None and self.checkpoint.suffix == ".gguf":
             raise ValueError(f"{self.checkpoint}: a GGUF file keeps its own weight types; leave quantization out")
         return self
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _compiled_decode_as_text(cls, engine: Any) -> Any:
+        """A config file's compiled_decode may be text: "1-64", "1,2,4", "none" (parse_batch_sizes)."""
+        if isinstance(engine, dict) and isinstance(engine.get("compiled_decode"), str):
+            return engine | {"compiled_decode": parse_batch_sizes(engine["compiled_decode"])}
+        return engine
 
     @field_validator("deployment")
     @classmethod

@@ -118,8 +118,7 @@ class ServingMetrics:
             metric.set_default_tags({"model": model})
         self.running.set(0)
         self.waiting.set(0)
-        self.kv_usage.set(0)
-        self.compiled_sizes.set(0)
+        self.kv_usage.set(0)  # not compiled_sizes: unknown until the engine's first report
 
     def record_failure(self, reason: str) -> None:
         assert reason in FAILURE_REASONS, reason

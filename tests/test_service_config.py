@@ -149,3 +149,17 @@ def test_a_folder_that_cannot_be_served_stops_the_command_with_one_line(tmp_path
     message = str(stopped.value.code)
     assert message.startswith(f"python -m service: --model bad={tmp_path}: {tmp_path}") and problem in message, message
     assert "\n" not in message
+
+
+def test_a_config_files_compiled_decode_may_be_written_as_text() -> None:
+    """deploy/serve_config.yaml writes "1-64" as the command line does; "none" is eager; a malformed one is refused."""
+    entry = {"name": "gen", "checkpoint": DEFAULT_GENERATOR, "kind": "generator"}
+    assert ModelServingConfig(**entry, engine={"compiled_decode": "1-3,8"}).engine.compiled_decode == (1, 2, 3, 8)
+    assert ModelServingConfig(**entry, engine={"compiled_decode": "none"}).engine.compiled_decode == ()
+    with pytest.raises(ValidationError, match="ascending range"):
+        ModelServingConfig(**entry, engine={"compiled_decode": "4-2"})
+    from tests.helpers import serve_configs
+
+    models = serve_configs()["serve_config.yaml"]["applications"][0]["args"]["models"]
+    engines = [ModelServingConfig(**m).engine for m in models]
+    assert all(e.compiled_decode and e.compile_in_background for e in engines)

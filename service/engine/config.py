@@ -2,6 +2,7 @@
 why a request finished), in one place. No torch here: the serving config that holds an
 EngineConfig, and the wire protocol, are read by processes that never load a model."""
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -160,6 +161,21 @@ class EngineConfig:
 # The KV pool's default ceiling when neither kv_cache_bytes nor kv_cache_memory_fraction is set
 # (vLLM's CPU build reserves 4 GiB by default; a replica here shares 24 GB with others).
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """compiled_decode written as text (the command line's, a Serve config's): comma-separated batch
+    sizes and ranges, "1,4" or "1-64" (both ends in it), ascending without repeats; "none": ().
+    ValueError naming the item that is neither (EngineConfig checks their range)."""
+    if text.strip() == "none":
+        return ()
+    sizes: set[int] = set()
+    for item in text.split(","):
+        bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", item.strip())
+        if bounds is None or int(bounds[2] or bounds[1]) < int(bounds[1]):
+            raise ValueError(f"{item!r} in {text!r} is not a batch size or an ascending range of them (1-64)")
+        sizes.update(range(int(bounds[1]), int(bounds[2] or bounds[1]) + 1))
+    return tuple(sorted(sizes))
 
 
 def serving_context(max_context: int | None, model_max_len: int) -> int:
