@@ -436,30 +436,28 @@ def bench_figures(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def step_counters(metrics_url: str) -> tuple[float, ...]:
-    """STEP_COUNTERS and SPEC_COUNTERS of MODEL, summed over our replicas, in that order; 0 before any step."""
+def model_samples(metrics_url: str) -> dict[str, list[float]]:
+    """MODEL's samples on our metrics endpoint, by metric name: one value per replica (and tag set)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = dict.fromkeys(STEP_COUNTERS + SPEC_COUNTERS, 0.0)
+    samples: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text):
         for sample in family.samples:
-            if sample.name in totals and sample.labels.get("model") == MODEL:
-                totals[sample.name] += sample.value
-    return tuple(totals.values())
+            if sample.labels.get("model") == MODEL:
+                samples.setdefault(sample.name, []).append(sample.value)
+    return samples
+
+
+def step_counters(metrics_url: str) -> tuple[float, ...]:
+    """STEP_COUNTERS and SPEC_COUNTERS of MODEL, summed over our replicas, in that order; 0 before any step."""
+    samples = model_samples(metrics_url)
+    return tuple(sum(samples.get(name, ())) for name in STEP_COUNTERS + SPEC_COUNTERS)
 
 
 def compiled_sizes(metrics_url: str) -> float | None:
     """MODEL's decode batch sizes running compiled, the least over our replicas (-1: still compiling),
     or None before the gauge is exported."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values = [
-        sample.value
-        for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text)
-        for sample in family.samples
-        if sample.name == COMPILED and sample.labels.get("model") == MODEL
-    ]
-    return min(values) if values else None
+    return min(model_samples(metrics_url).get(COMPILED, ()), default=None)
 
 
 def wait_compiled(metrics_url: str) -> float | None:

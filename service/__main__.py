@@ -32,7 +32,7 @@ from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingC
 from service.engine.config import EngineConfig, parse_batch_sizes
 
 API_KEYS_ENV = "SERVING_API_KEYS"  # not a flag: a process's arguments are visible to every user
-# Decode steps of up to 64 rows compiled where that measures faster (1.1-1.35x a step on SmolLM2-135M's
+# Decode steps of up to 64 rows compiled where that measures faster (1.07-1.31x a step on SmolLM2-135M's
 # shape, speculation's verifications of up to 8 x 5 rows among them; docs/performance.md); CUDA devices
 # run CUDA graphs instead.
 DEFAULT_COMPILED_DECODE = tuple(range(1, 65))

@@ -43,6 +43,20 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Generator, TextToke
     return model, tokenizer
 
 
+def assert_the_same_answers(
+    model: Generator, prompts: dict[str, list[int]], got: dict[str, list[int]], expected: dict[str, list[int]]
+) -> None:
+    """Each request's tokens (by id, after prompts[id]) equal the expected ones, or leave them at a
+    near-tie: where they first part, the model's logits after the common prefix within 1e-4."""
+    assert got.keys() == expected.keys()
+    for request_id, tokens in got.items():
+
+        def logits_after(prefix: list[int], prompt: list[int] = prompts[request_id]) -> torch.Tensor:
+            return model(torch.tensor([prompt + prefix]))[0, -1]
+
+        assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)
+
+
 @pytest.fixture(scope="module")
 def runner(llama: tuple[Generator, TextTokenizer]) -> GeneratorRunner:
     """A runner whose both graphs (batch 1 and the shared one) are compiled, and which runs every
@@ -195,14 +209,7 @@ def test_an_engine_with_compiled_decodes_answers_as_the_plain_engine(
         return {i: [Request(str(i), engine.runner.encode_prompt(t), params)] for i, t in enumerate(texts)}  # batches of 1 to 4
 
     expected, got = run(plain, arrivals(plain)), run(fast, arrivals(fast))
-    assert got.keys() == expected.keys()
-    for request_id, tokens in got.items():
-        prompt = plain.runner.encode_prompt(texts[int(request_id)])
-
-        def logits_after(prefix: list[int], prompt: list[int] = prompt) -> torch.Tensor:
-            return model(torch.tensor([prompt + prefix]))[0, -1]
-
-        assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)
+    assert_the_same_answers(model, {str(i): plain.runner.encode_prompt(t) for i, t in enumerate(texts)}, got, expected)
 
 
 def test_speculations_verification_steps_run_compiled_and_answer_as_the_plain_engine(
@@ -241,14 +248,7 @@ def test_speculations_verification_steps_run_compiled_and_answer_as_the_plain_en
     fast.report_idle()
     compiled.ready.set()
     assert reports[-1].compiled_batch_sizes == -1
-    assert got.keys() == expected.keys()
-    for request_id, tokens in got.items():
-        prompt = plain.runner.encode_prompt(texts[int(request_id)])
-
-        def logits_after(prefix: list[int], prompt: list[int] = prompt) -> torch.Tensor:
-            return model(torch.tensor([prompt + prefix]))[0, -1]
-
-        assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)
+    assert_the_same_answers(model, {str(i): plain.runner.encode_prompt(t) for i, t in enumerate(texts)}, got, expected)
 
 
 @torch.inference_mode()
@@ -272,12 +272,7 @@ def test_a_background_compile_serves_eagerly_meanwhile_and_keeps_its_artifacts(
         return {0: [Request("a", prompts["a"], params)], 2: [Request("b", prompts["b"], params)]}
 
     expected, got = run(plain, arrivals()), run(background, arrivals())
-    for request_id, tokens in got.items():
-
-        def logits_after(prefix: list[int], prompt: list[int] = prompts[request_id]) -> torch.Tensor:
-            return model(torch.tensor([prompt + prefix]))[0, -1]
-
-        assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)  # eager or compiled steps: within 1e-4
+    assert_the_same_answers(model, prompts, got, expected)  # eager or compiled steps: within 1e-4
     compiled = background.runner.compiled
     assert isinstance(compiled, CompiledDecode) and compiled.ready.wait(timeout=900)  # a bound on a broken compile, not a speed
     assert set(compiled.timings) == {1, 2}
