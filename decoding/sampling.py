@@ -118,19 +118,50 @@ def _draw(logits: Tensor, params: list[SamplingParams], generators: list[torch.G
     min_p = torch.tensor([p.min_p for p in params], device=device)
     # Draws on the CPU generators, so the same seed gives the same token on every device.
     uniform = torch.cat([torch.rand(1, generator=g) for g in generators]).to(device)  # (S,)
-    probs = filter_logits(logits / temperature[:, None], top_k, top_p, min_p).softmax(-1)  # (S, V)
-    cumulative = probs.cumsum(-1)  # (S, V)
+    drawn, weight, total = _inverse_cdf(logits, temperature, top_k, top_p, min_p, uniform)
     fallback = None
-    if not bool(torch.isfinite(cumulative[:, -1]).all()):  # NaN or +inf logits: drawn from the cleaned rows instead
+    if not bool(torch.isfinite(total).all()):  # NaN or +inf logits: drawn from the cleaned rows instead
         logits = _finite(logits)
-        probs = filter_logits(logits / temperature[:, None], top_k, top_p, min_p).softmax(-1)
-        cumulative = probs.cumsum(-1)
+        drawn, weight, total = _inverse_cdf(logits, temperature, top_k, top_p, min_p, uniform)
         fallback = greedy_ids(logits)  # for a row that stays poisoned (every logit NaN, or overflowing its temperature)
-    finite = torch.isfinite(cumulative[:, -1])  # (S,)
-    cumulative = cumulative if fallback is None else torch.where(finite[:, None], cumulative, 1.0)
-    total = cumulative[:, -1]
-    drawn = torch.searchsorted(cumulative, (uniform * total)[:, None], right=True)[:, 0].clamp(max=probs.shape[-1] - 1)  # (S,)
-    zero = probs.gather(1, drawn[:, None])[:, 0] <= 0  # rounding drew a token of probability 0: the row's most likely instead
+    zero = weight <= 0  # rounding drew a token of probability 0: the row's most likely instead
     if bool(zero.any()):
-        drawn = torch.where(zero, probs.nan_to_num(-1.0).argmax(-1), drawn)
-    return drawn if fallback is None else torch.where(finite, drawn, fallback)
+        drawn = torch.where(zero, logits.nan_to_num(float("-inf")).argmax(-1), drawn)
+    return drawn if fallback is None else torch.where(torch.isfinite(total), drawn, fallback)
+
+
+# The inverse CDF's search: sums of chunks of this many tokens, then a cumulative sum inside the one
+# chunk each row's draw falls in (a cumulative sum is a serial pass: over the whole vocabulary it
+# cost more than the rest of sampling, `python -m benchmarks.step_cost`).
+SEARCH_CHUNK = 1024
+
+
+def _inverse_cdf(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, uniform: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Each row's draw from softmax(logits / temperature) (S, V), filtered by top-k, top-p and
+    min-p: the first token whose cumulative weight exceeds uniform x the row's total weight, with
+    weights exp((logit - the row's largest) / temperature). Returns the tokens (S,), their weights
+    (0: rounding drew past the last likely token) and the totals (S,) (not finite: a poisoned row)."""
+    S, V = logits.shape
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()) or bool((min_p > 0.0).any()):
+        logits, temperature = filter_logits(logits / temperature[:, None], top_k, top_p, min_p), torch.ones_like(temperature)
+    weights = logits - logits.amax(-1, keepdim=True)  # (S, V)
+    if bool((temperature != 1.0).any()):
+        weights.div_(temperature[:, None])
+    weights.exp_()
+    whole = V - V % SEARCH_CHUNK
+    sums = weights[:, :whole].view(S, whole // SEARCH_CHUNK, SEARCH_CHUNK).sum(-1)  # (S, V // SEARCH_CHUNK)
+    if whole < V:
+        sums = torch.cat([sums, weights[:, whole:].sum(-1, keepdim=True)], 1)  # (S, chunks)
+    ends = sums.cumsum(-1)  # (S, chunks): the cumulative weight at each chunk's end
+    total = ends[:, -1]
+    target = uniform * total  # (S,)
+    chunk = torch.searchsorted(ends, target[:, None], right=True)[:, 0].clamp(max=ends.shape[1] - 1)  # (S,)
+    before = ends.gather(1, (chunk - 1).clamp(min=0)[:, None])[:, 0].masked_fill(chunk == 0, 0.0)  # (S,)
+    columns = chunk[:, None] * SEARCH_CHUNK + torch.arange(SEARCH_CHUNK, device=logits.device)  # (S, SEARCH_CHUNK)
+    inside = weights.gather(1, columns.clamp(max=V - 1)).masked_fill(columns >= V, 0.0)  # (S, SEARCH_CHUNK)
+    cumulative = inside.cumsum(-1) + before[:, None]
+    at = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0].clamp(max=SEARCH_CHUNK - 1)  # (S,)
+    drawn = (chunk * SEARCH_CHUNK + at).clamp(max=V - 1)
+    return drawn, weights.gather(1, drawn[:, None])[:, 0], total

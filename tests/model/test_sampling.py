@@ -1,7 +1,7 @@
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from decoding.sampling import adjust_logits, filter_logits, sample_next
+from decoding.sampling import SEARCH_CHUNK, adjust_logits, filter_logits, sample_next
 from decoding.sampling_params import SamplingParams
 
 
@@ -181,3 +181,40 @@ def test_draws_follow_the_filtered_distribution() -> None:
     expected = torch.tensor([2.0, 1.0, float("-inf"), float("-inf"), 3.0]).div(2.0).softmax(-1)
     assert counts[2] == counts[3] == 0
     assert torch.allclose(counts / 4000, expected, atol=0.03)
+
+
+def test_the_chunked_inverse_cdf_draws_what_one_cumulative_sum_over_the_row_draws() -> None:
+    """The optimised draw (chunk sums, then one chunk's cumulative sum) against the plain inverse
+    CDF (softmax, a cumulative sum over the whole row, searchsorted), same uniforms: the same token
+    wherever the target is not within float rounding of a boundary between two tokens. Vocabularies
+    below, at and past a multiple of the chunk, suppressed ids at -inf, temperatures and filters."""
+    torch.manual_seed(0)
+    params = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=50),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.5, min_p=0.05),
+    ]
+    temperature = torch.tensor([p.temperature for p in params])
+    top_k, top_p = torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params])
+    compared = 0
+    for vocab in (37, SEARCH_CHUNK, 3 * SEARCH_CHUNK + 100):
+        for trial in range(40):
+            logits = torch.randn(len(params), vocab) * 4
+            logits[:, : vocab // 10] = float("-inf")  # suppressed
+            seeds = [1000 * vocab + 10 * trial + i for i in range(len(params))]
+            drawn = sample_next(logits, params, [torch.Generator().manual_seed(s) for s in seeds])
+            uniform = torch.cat([torch.rand(1, generator=torch.Generator().manual_seed(s)) for s in seeds])
+            probs = filter_logits(logits / temperature[:, None], top_k, top_p, min_p).softmax(-1)
+            cumulative = probs.cumsum(-1)
+            target = uniform * cumulative[:, -1]
+            plain = torch.searchsorted(cumulative, target[:, None], right=True)[:, 0]
+            for row in range(len(params)):
+                if int(drawn[row]) != int(plain[row]):  # only a rounding tie at the boundary between them
+                    boundary = cumulative[row, min(int(drawn[row]), int(plain[row]))]
+                    assert abs(float(boundary - target[row])) < 1e-5, (vocab, trial, row)
+                assert probs[row, drawn[row]] > 0
+                compared += 1
+    assert compared == 3 * 40 * len(params)
