@@ -1,8 +1,9 @@
 """The compiled decode step (service/engine/compiled_decode.py) computes what the eager step
 computes: logits within 1e-4 at batch 1 and at batch sizes of the shared dynamic graph, with key
 blocks padded or not, and greedy answers equal to the plain engine's, for a generator and for the
-translator (whose rows read their sources in place, beams sharing one); a step that would need a
-new graph runs eagerly instead of compiling."""
+translator (whose rows read their sources in place, beams sharing one); a trained folder's answers
+with speculation on equal to transformers'; a step that would need a new graph runs eagerly
+instead of compiling."""
 
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from torch._dynamo.symbolic_convert import TensorifyState
 from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from decoding.sampling_params import GREEDY
 from exports.gguf import export_gguf
@@ -396,3 +398,53 @@ def test_an_engine_with_a_compiled_translator_step_translates_as_the_plain_engin
             return model(source, torch.tensor([[model.config.start_id, *prefix]]))[0, -1]
 
         assert_equal_up_to_a_tie(tokens, expected[request_id], logits_after, 1e-4)
+
+
+CHAT_TOOLS = Path(__file__).parents[2] / "evals" / "chat_tools" / "model"  # trained by this project (evals/chat_tools)
+
+
+@torch.inference_mode()
+def test_a_trained_folder_answers_as_transformers_with_speculation_and_compiled_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trained model's greedy answers, with prompt-lookup speculation and every decode step
+    (verifications included) through the compiled graph, equal transformers' generate() on the
+    same folder, up to a tie of its logits. The trained model copies from its prompts (tool
+    calls' arguments), so drafts are proposed and accepted: the test asserts they were."""
+    tokenizer = AutoTokenizer.from_pretrained(CHAT_TOOLS)
+    hf = AutoModelForCausalLM.from_pretrained(CHAT_TOOLS).eval()
+    config = EngineConfig(n_slots=1, num_speculative_tokens=3, compiled_decode=(1, 2, 3, 4))
+    engine = Engine.from_checkpoint(CHAT_TOOLS, config)
+    assert isinstance(engine.runner, GeneratorRunner) and engine.runner.compiled is not None
+    engine.runner.compiled.batch_sizes = frozenset({1, 2, 3, 4})  # whatever the start's timings said
+    monkeypatch.setattr(engine.runner.compiled, "stance", "fail_on_recompile")
+    ran: list[int] = []
+    call = CompiledDecode.__call__
+
+    def recorded(self: CompiledDecode, ids: torch.Tensor, positions: list[int], tables: list[list[int]]) -> torch.Tensor | None:
+        logits = call(self, ids, positions, tables)
+        ran.extend([len(tables)] if logits is not None else [])
+        return logits
+
+    monkeypatch.setattr(CompiledDecode, "__call__", recorded)
+    reports: list[StepReport] = []
+    engine.on_step = reports.append
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+    questions = ["What is the weather in Paris?", "Is it raining in San Francisco today?", "Repeat after me: the cat sat on the mat."]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tools=[tool], add_generation_prompt=True, return_dict=False)
+        for q in questions
+    ]
+    params = GenerationParams(max_tokens=40, sampling=GREEDY)
+    got = run(engine, {30 * i: [Request(str(i), p, params)] for i, p in enumerate(prompts)})  # one at a time
+    eos = set(engine.runner.eos_ids)
+    for i, prompt in enumerate(prompts):
+        theirs = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt) :].tolist()
+        if theirs and theirs[-1] in eos:
+            theirs.pop()  # the eos that ended it: the engine streams no token for it
+
+        def logits_after(prefix: list[int], prompt: list[int] = prompt) -> torch.Tensor:
+            return hf(torch.tensor([prompt + prefix])).logits[0, -1]
+
+        assert_equal_up_to_a_tie(got[str(i)], theirs, logits_after, 1e-4)
+    assert sum(r.draft_tokens for r in reports) > 0 and sum(sum(r.accepted_per_position) for r in reports) > 0
+    assert max(ran) > 1  # verification steps (a row per token) ran compiled
