@@ -15,7 +15,7 @@ passed on where given) runs one torch thread in its one replica; its scenarios s
 decode steps are compiled (its serving_compiled_decode_batch_sizes gauge: the compile a start runs
 in the background, from the compile cache after the first). On each, the
 scenarios (SCENARIOS) run in order: `vllm bench serve` on random 128-token prompts with 128 tokens
-out at 1, 8 and 16 concurrent requests, 16 completions sharing two 512-token prefixes (vLLM's
+out at 1, 8, 16 and 64 concurrent requests, 16 completions sharing two 512-token prefixes (vLLM's
 prefix_repetition dataset: +32 own tokens, 32 out, 4 at a time), one 3,000-token prompt; then the
 stall check: 4 streamed completions generating while a 3,000-token prompt arrives, and their
 longest gap between tokens during its prefill. A refused or failed request (a 429 included) is
@@ -153,6 +153,7 @@ SCENARIOS = {
     "random_c1": Scenario("random 128 in / 128 out, 1 at a time (8 requests)", random_work(128, 128, 1, 8)),
     "random_c8": Scenario("random 128 in / 128 out, 8 at a time (32 requests)", random_work(128, 128, 8, 32)),
     "random_c16": Scenario("random 128 in / 128 out, 16 at a time (48 requests)", random_work(128, 128, 16, 48)),
+    "random_c64": Scenario("random 128 in / 128 out, 64 at a time (128 requests)", random_work(128, 128, 64, 128)),
     "shared_prefix": Scenario(
         "16 completions sharing two 512-token prefixes (+32 own, 32 out), 4 at a time",
         (
@@ -186,7 +187,7 @@ COPY_SCENARIOS = {
     "random_c1": SCENARIOS["random_c1"],
     "random_c8": SCENARIOS["random_c8"],
     "random_c16": SCENARIOS["random_c16"],
-    "random_c64": Scenario("random 128 in / 128 out, 64 at a time (128 requests)", random_work(128, 128, 64, 128)),
+    "random_c64": SCENARIOS["random_c64"],
 }
 STALL_STREAMS = 4
 STALL_STREAM_TOKENS = 512  # more than the streams make while the long prompt is computed
