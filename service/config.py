@@ -82,6 +82,10 @@ class ModelServingConfig(BaseModel):
     # check_health fails once the engine loop has not come round for this long (a wedged step).
     heartbeat_timeout_s: float = Field(30.0, gt=0)
     fault_injection: bool = False  # tests only: the engine steps through a FaultInjectingRunner (inject_fault())
+    # The replica's threads run at this nice value once its engine's process has started at the
+    # replica's own: where the two contend for a CPU (2 cores, hundreds of streams), the engine's
+    # step, which every stream waits for, gets it (service/process.py lower_priority). 0: the same.
+    replica_niceness: int = Field(10, ge=0, le=19)
     # A streamed response sends its first token at once, then at most one piece per interval
     # (tokens made meanwhile travel together; Ray Serve LLM's default is 50 ms). 0: every token alone.
     stream_interval_ms: float = Field(50.0, ge=0)
@@ -188,6 +192,9 @@ class ServiceConfig(BaseModel):
     # it, so every request of a burst counts at once: a bound below the burst refused /healthz
     # checks with Serve's undocumented 503 (tests/service/test_overload.py).
     ingress_max_queued_requests: int = 4096
+    # The ingress's threads run at this nice value, below the engines' processes (as a model
+    # replica's, ModelServingConfig.replica_niceness). 0: unchanged.
+    ingress_niceness: int = Field(10, ge=0, le=19)
     # Ray actor options of the ingress replica (Serve's ray_actor_options, over {"num_cpus": 0}), e.g.
     # {"resources": {"head": 0.01}} to keep it on a node that is not lost with a worker.
     ingress_actor_options: dict[str, Any] = {}

@@ -30,7 +30,7 @@ from service.engine.grammar_check import closed_schema, json_options
 from service.engine.inspector import AttentionInspector
 from service.engine.request import Delta, GenerationParams
 from service.metrics import ServingMetrics
-from service.process import process_stats
+from service.process import lower_priority, process_stats
 from service.protocol import (
     AttentionMap,
     AttentionRequest,
@@ -140,6 +140,7 @@ class ModelDeployment:
         self.metrics = ServingMetrics(config.name)
         spec = EngineSpec(config.checkpoint, config.engine, device, dtype, config.fault_injection, config.torch_threads)
         self.engine = AsyncEngine(spec, on_step=self.metrics.record_step)  # the engine steps in a process of its own
+        lower_priority(config.replica_niceness)  # below the engine's process, started at this one's
         self.model = self.engine.info
         self.inspector = AttentionInspector(config.checkpoint, device)
         blocks = self.model.kv_blocks

@@ -20,7 +20,7 @@ from service.api.app import ROUTERS, create_api
 from service.api.backend import Backends, ModelLoad, model_of_path
 from service.config import ModelServingConfig, ServiceConfig
 from service.metrics import request_failure_counter, request_retry_counter
-from service.process import process_stats
+from service.process import lower_priority, process_stats
 from service.protocol import (
     AttentionMap,
     AttentionRequest,
@@ -176,6 +176,7 @@ class Ingress:
 
     def __init__(self, config: ServiceConfig, handles: dict[str, DeploymentHandle[Any]]) -> None:
         """handles: each model's deployment, by model name."""
+        lower_priority(config.ingress_niceness)  # below the engines' processes
         self.failures = request_failure_counter()
         self.retries = request_retry_counter()
         self.config = config

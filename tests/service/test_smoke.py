@@ -1,9 +1,12 @@
 """The quick tier's one real Serve app (tests/service/conftest.py): Ray, Serve's proxy, the ingress
-and both model deployments answer a translation, a completion and a stream, and report ready."""
+and both model deployments answer a translation, a completion and a stream, and report ready; the
+replicas run below their engines' processes."""
+
+from typing import Any
 
 import httpx
 
-from tests.helpers import assert_serves
+from tests.helpers import APP_NAME, TEST_CONFIG, assert_serves
 
 
 def test_the_real_app_serves_both_models_and_streams(service_url: str) -> None:
@@ -20,3 +23,17 @@ def test_a_prompt_past_the_context_is_refused_naming_the_numbers_and_long_prompt
     past = httpx.post(f"{service_url}/v1/completions", json={"prompt": verse * 60, "max_tokens": 4}, timeout=120)
     assert past.status_code == 400
     assert "maximum context length is 256 tokens. However, your request has" in past.json()["error"]["message"]
+
+
+def test_the_replicas_run_below_their_engines_processes(service_url: str) -> None:
+    """Every model replica and the ingress at their nice value (10 by default, or the priority
+    they started at if lower), each model's engine process at the priority its replica started at."""
+    from ray import serve
+
+    models = {m.name: m for m in TEST_CONFIG.models}
+    for name, model in models.items():
+        stats: Any = serve.get_deployment_handle(name, app_name=APP_NAME).stats.remote().result()
+        engine = stats["engine_process"]["nice"]
+        assert stats["nice"] == max(model.replica_niceness, engine) and engine < model.replica_niceness
+    ingress: Any = serve.get_deployment_handle("Ingress", app_name=APP_NAME).stats.remote().result()
+    assert ingress["nice"] >= TEST_CONFIG.ingress_niceness
