@@ -181,17 +181,29 @@ def test_disconnecting_a_stream_frees_its_slot(service_url: str) -> None:
         time.sleep(0.2)
 
 
+# One sentence of about 190 characters: a beam-8 translation of it takes tens of steps of 8 rows.
+LONG_SENTENCE = (
+    "A man in a blue shirt and a woman in a red dress are walking their two small dogs along the busy street "
+    "next to the old market while children play football in the park behind them."
+)
+
+
 def test_full_queue_answers_429_with_retry_after(service_url: str) -> None:
+    """64 requests at once for 16 slots (2 beam-8 requests) and 16 waiting places: the translator
+    holds 18 of them while each pair takes tens of steps (a long sentence, no max_tokens), so the
+    rest arrive to a full queue. (With 10-token answers of a short sentence, a translator whose
+    steps got the CPU before its replica's streaming drained the queue as fast as it filled.)"""
+
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=service_url, timeout=300) as http:
-            body = {"text": TEST_SOURCES[0], "beam_size": 8, "max_tokens": 10}
-            return await asyncio.gather(*(http.post("/v1/translate", json=body) for _ in range(48)))
+            body = {"text": LONG_SENTENCE, "beam_size": 8}
+            return await asyncio.gather(*(http.post("/v1/translate", json=body) for _ in range(64)))
 
     responses = asyncio.run(main())
     statuses = [r.status_code for r in responses]
     assert set(statuses) <= {200, 429}
     refused = [r for r in responses if r.status_code == 429]
-    assert refused, "16 slots (2 beam-8 requests) and 16 waiting cannot hold 48 requests"
+    assert refused, "16 slots (2 beam-8 requests) and 16 waiting cannot hold 64 requests"
     assert all(r.headers.get("retry-after") == "1" and r.json()["error"]["type"] == "rate_limit_error" for r in refused)
     assert statuses.count(200) >= 2
 
