@@ -15,14 +15,14 @@ from service.process import lower_priority
 stop = threading.Event()
 before = threading.Thread(target=stop.wait)
 before.start()
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)  # until told
 lower_priority(int(sys.argv[1]))
 lower_priority(int(sys.argv[2]))  # a second call never raises the priority back
 after = threading.Thread(target=stop.wait)
 after.start()
 threads = [os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")]
 print(json.dumps({"threads": threads, "child": os.getpriority(os.PRIO_PROCESS, child.pid)}))
-child.kill()
+child.communicate()  # its stdin closed: it ends
 stop.set()
 """
 
