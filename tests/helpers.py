@@ -66,6 +66,7 @@ TEST_CONFIG = ServiceConfig(
             engine=EngineConfig(n_slots=16, max_waiting=16),
             deployment={"ray_actor_options": {"num_cpus": 0.5}},
             torch_threads=1,
+            fault_injection=True,  # see the generator's
         ),
         ModelServingConfig(
             name="transformer-shakespeare",
@@ -75,9 +76,28 @@ TEST_CONFIG = ServiceConfig(
             engine=EngineConfig(n_slots=16, max_waiting=32, default_max_tokens=16),
             deployment={"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
             torch_threads=1,
+            # Unarmed, its runner only passes the steps on. The overload tests hold the engines'
+            # steps (hold_next_step) while a burst arrives: what is refused does not depend on how
+            # fast the engines drain their queues.
+            fault_injection=True,
         ),
     ),
 )
+
+
+def hold_next_step(model: ModelServingConfig, release_file: Path) -> None:
+    """Arms every replica of the session's `model` so that its engine's next step waits until
+    release_file exists (fault injection, tests only). Create the file in a `finally`."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(model.name, app_name=APP_NAME)
+    replicas = model.deployment.get("num_replicas", 1)
+    armed: set[str] = set()
+    for _ in range(100):  # the router picks a replica per call
+        armed.add(handle.inject_fault.remote("stall", 1, None, str(release_file)).result())
+        if len(armed) == replicas:
+            return
+    raise AssertionError(f"armed {len(armed)} of {replicas} replicas of {model.name} in 100 calls")
 
 
 def replica_stats(deployment: str, calls: int = 30, app: str = APP_NAME) -> dict[str, dict[str, Any]]:

@@ -8,16 +8,16 @@ import random
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-from tests.helpers import TEST_CONFIG
+from tests.helpers import TEST_CONFIG, hold_next_step
 
-# Long enough that the first requests admitted still hold the replicas when the burst's last ones
-# arrive (with 8 tokens, some bursts of 3x capacity drained as fast as they came, with no refusal).
 PROMPT = {"prompt": "ROMEO:\n", "max_tokens": 64, "temperature": 0}
 
 
@@ -61,12 +61,15 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
     return int(status_line.split()[1]), headers, body
 
 
-def burst(url: str, completions: int, healthz: int) -> tuple[list[Answer], list[Answer]]:
+def burst(
+    url: str, completions: int, healthz: int, on_answer: Callable[[str, Answer], None] = lambda kind, answer: None
+) -> tuple[list[Answer], list[Answer]]:
     """That many completions and /healthz requests at once, each on its own connection, opened
     beforehand. The client is plain asyncio streams: every request is prepared as bytes and all are
     written in one loop, in shuffled order, before any answer is read, so they reach the service
     interleaved. (aiohttp wrote its GETs about 0.3 s before its POSTs in such a burst: the server
-    then saw nearly all /healthz requests before the first completion.)"""
+    then saw nearly all /healthz requests before the first completion.) `on_answer` sees each
+    answer with its kind as it arrives."""
     parts = urlsplit(url)
     host, port = parts.hostname, parts.port
     assert host is not None and port is not None
@@ -80,14 +83,16 @@ def burst(url: str, completions: int, healthz: int) -> tuple[list[Answer], list[
         random.shuffle(kinds)
         connections = await asyncio.gather(*(asyncio.open_connection(host, port) for _ in kinds))
 
-        async def answer(reader: asyncio.StreamReader, sent: float) -> Answer:
+        async def answer(kind: str, reader: asyncio.StreamReader, sent: float) -> Answer:
             status, headers, body = await read_response(reader)
-            return Answer(status, headers, body, time.perf_counter() - sent)
+            result = Answer(status, headers, body, time.perf_counter() - sent)
+            on_answer(kind, result)
+            return result
 
         pending = []
         for kind, (reader, writer) in zip(kinds, connections, strict=True):
             writer.write(request[kind])  # no await in this loop: the writes go out back to back
-            pending.append(answer(reader, time.perf_counter()))
+            pending.append(answer(kind, reader, time.perf_counter()))
         answers = await asyncio.wait_for(asyncio.gather(*pending), 300)
         for _, writer in connections:
             writer.close()
@@ -101,12 +106,27 @@ def p99(seconds: list[float]) -> float:
     return sorted(seconds)[int(0.99 * (len(seconds) - 1))]
 
 
-def test_three_times_capacity_beside_a_healthz_burst(service_url: str) -> None:
+def test_three_times_capacity_beside_a_healthz_burst(service_url: str, tmp_path: Path) -> None:
     expected = httpx.post(f"{service_url}/v1/completions", json=PROMPT, timeout=60).json()["choices"][0]["text"]
     at_capacity, _ = burst(service_url, capacity(), 0)
     at_capacity = [a for a in at_capacity if a.status == 200]  # the router spreads by sampling: a few may be refused
     assert at_capacity
-    completions, health = burst(service_url, 3 * capacity(), 3 * capacity())
+    # The engines hold their steps until at least all but capacity() completions are refused:
+    # whatever the machine's speed, the ingress then holds capacity() requests and refuses the rest.
+    release_file = tmp_path / "release"
+    hold_next_step(TEST_CONFIG.generator, release_file)
+    refusals = 0
+
+    def release_when_all_but_capacity_refused(kind: str, answer: Answer) -> None:
+        nonlocal refusals
+        refusals += kind == "completion" and answer.status != 200
+        if refusals >= 2 * capacity():
+            release_file.touch()
+
+    try:
+        completions, health = burst(service_url, 3 * capacity(), 3 * capacity(), release_when_all_but_capacity_refused)
+    finally:
+        release_file.touch()
     refused = [a for a in completions if a.status != 200]
     accepted = [a for a in completions if a.status == 200]
     assert all(a.status == 200 for a in health)
