@@ -100,6 +100,37 @@ def hold_next_step(model: ModelServingConfig, release_file: Path) -> None:
     raise AssertionError(f"armed {len(armed)} of {replicas} replicas of {model.name} in 100 calls")
 
 
+def translations_while_held(service_url: str, body: dict[str, Any], count: int, release_file: Path) -> list[httpx.Response]:
+    """`count` POST /v1/translate with this body at once while the translator's next step is held
+    (hold_next_step): it holds at most max_requests_held of them, so at least the rest are
+    refused, whatever the machine's speed. The step is released once they are; returns every
+    response, in order."""
+    import asyncio
+
+    held = TEST_CONFIG.translator.max_requests_held
+    assert held is not None and count > held
+    hold_next_step(TEST_CONFIG.translator, release_file)
+
+    async def main() -> list[httpx.Response]:
+        refusals = 0
+
+        async def translate(http: httpx.AsyncClient) -> httpx.Response:
+            nonlocal refusals
+            response = await http.post("/v1/translate", json=body)
+            refusals += response.status_code == 429
+            if refusals >= count - held:
+                release_file.touch()
+            return response
+
+        async with httpx.AsyncClient(base_url=service_url, timeout=300, limits=httpx.Limits(max_connections=count)) as http:
+            return await asyncio.gather(*(translate(http) for _ in range(count)))
+
+    try:
+        return asyncio.run(main())
+    finally:
+        release_file.touch()
+
+
 def replica_stats(deployment: str, calls: int = 30, app: str = APP_NAME) -> dict[str, dict[str, Any]]:
     """Engine stats by replica id (calls spread over the replicas by Serve's router)."""
     from ray import serve

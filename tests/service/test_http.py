@@ -15,7 +15,7 @@ from httpx_sse import connect_sse
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from loading.tokenizer import Tokenizer
 from service.engine.offline import OfflineEngine
-from tests.helpers import TEST_CONFIG, astream_data, hold_next_step, leave_stream, replica_stats, stream_data
+from tests.helpers import TEST_CONFIG, astream_data, leave_stream, replica_stats, stream_data, translations_while_held
 from training.data import SHARED_DATA, read_lines
 
 GENERATOR = TEST_CONFIG.generator.name
@@ -183,35 +183,13 @@ def test_disconnecting_a_stream_frees_its_slot(service_url: str) -> None:
 
 def test_full_queue_answers_429_with_retry_after(service_url: str, tmp_path: Path) -> None:
     """64 beam-8 requests at once for 16 slots (2 such requests) and 16 waiting places, while the
-    translator's next step is held: it holds at most 32 of them, the rest are refused. The step is
-    released once 32 are, and the accepted ones are answered."""
-    release_file = tmp_path / "release"
-    hold_next_step(TEST_CONFIG.translator, release_file)
-    held = TEST_CONFIG.translator.max_requests_held
-    assert held is not None
-
-    async def main() -> list[httpx.Response]:
-        refusals = 0
-
-        async def translate(http: httpx.AsyncClient) -> httpx.Response:
-            nonlocal refusals
-            response = await http.post("/v1/translate", json={"text": "A man in a blue shirt is walking his dog.", "beam_size": 8})
-            refusals += response.status_code == 429
-            if refusals >= 64 - held:
-                release_file.touch()
-            return response
-
-        async with httpx.AsyncClient(base_url=service_url, timeout=300, limits=httpx.Limits(max_connections=64)) as http:
-            return await asyncio.gather(*(translate(http) for _ in range(64)))
-
-    try:
-        responses = asyncio.run(main())
-    finally:
-        release_file.touch()
+    translator's next step is held: the rest are refused, and the accepted ones answered after."""
+    body = {"text": "A man in a blue shirt is walking his dog.", "beam_size": 8}
+    responses = translations_while_held(service_url, body, 64, tmp_path / "release")
     statuses = [r.status_code for r in responses]
     assert set(statuses) <= {200, 429}
     refused = [r for r in responses if r.status_code == 429]
-    assert len(refused) >= 64 - held
+    assert len(refused) >= 64 - (TEST_CONFIG.translator.max_requests_held or 0)
     assert all(r.headers.get("retry-after") == "1" and r.json()["error"]["type"] == "rate_limit_error" for r in refused)
     assert statuses.count(200) >= 2
 

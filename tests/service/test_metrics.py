@@ -17,7 +17,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from loadtests.cluster import free_port
-from tests.helpers import TEST_CONFIG, astream_data, leave_stream, replica_stats, scrape
+from tests.helpers import TEST_CONFIG, astream_data, leave_stream, replica_stats, scrape, translations_while_held
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -309,15 +309,7 @@ def test_mean_batch_size_read_from_the_metric_is_exact(service_url: str, metrics
     assert sequences / steps > 1  # the six concurrent streams were batched
 
 
-async def _flood(service_url: str) -> list[int]:
-    """48 beam-8 translations at once: 16 slots hold two, 16 wait, the engine refuses the rest with 429."""
-    async with httpx.AsyncClient(base_url=service_url, timeout=300) as http:
-        body = {"text": SENTENCES[0], "beam_size": 8, "max_tokens": 10}
-        responses = await asyncio.gather(*(http.post("/v1/translate", json=body) for _ in range(48)))
-    return [r.status_code for r in responses]
-
-
-def test_cancelled_stream_and_refused_requests_count_exactly_once(service_url: str, metrics_url: str) -> None:
+def test_cancelled_stream_and_refused_requests_count_exactly_once(service_url: str, metrics_url: str, tmp_path: Path) -> None:
     def read() -> dict[str, float]:
         return {
             "cancelled": scrape(metrics_url, FAILURES, model=GENERATOR, reason="cancelled"),
@@ -332,7 +324,9 @@ def test_cancelled_stream_and_refused_requests_count_exactly_once(service_url: s
     leave_stream(f"{service_url}/v1/completions", body, after_events=1)
     # Closed after one event: the engine aborts the sequence, which counts as cancelled.
 
-    statuses = asyncio.run(_flood(service_url))
+    # 48 beam-8 translations at once while the translator's step is held: it holds 32, the rest are refused.
+    flood = translations_while_held(service_url, {"text": SENTENCES[0], "beam_size": 8, "max_tokens": 10}, 48, tmp_path / "release")
+    statuses = [r.status_code for r in flood]
     assert set(statuses) <= {200, 429}
     refused = statuses.count(429)
     assert refused > 0
