@@ -279,6 +279,7 @@ class ModelDeployment:
             "running": self.engine.num_running(),
             "waiting": self.engine.num_waiting(),
             "free_slots": self.engine.num_free_slots(),
+            "open_streams": self.engine.num_streams(),  # submitted here, not yet finished or left
             "steps": counters.steps,
             "batch_size_sum": counters.batch_size_sum,
             "max_batch_size": counters.max_batch_size,

@@ -100,6 +100,31 @@ def hold_next_step(model: ModelServingConfig, release_file: Path) -> None:
     raise AssertionError(f"armed {len(armed)} of {replicas} replicas of {model.name} in 100 calls")
 
 
+@contextmanager
+def held_until_open(model: ModelServingConfig, release_file: Path, count: int) -> Iterator[None]:
+    """Holds the next step of every replica of the session's `model` (hold_next_step) while the
+    block runs, and releases them once its replicas have `count` requests open between them (their
+    open_streams): requests the block sends are all in the engines before a step after the first
+    runs, so they are batched whatever the machine's speed."""
+    hold_next_step(model, release_file)
+
+    def release() -> None:
+        deadline = time.monotonic() + 120  # a bound on a broken service, not a speed limit
+        try:
+            while time.monotonic() < deadline and sum(s["open_streams"] for s in replica_stats(model.name, 10).values()) < count:
+                time.sleep(0.01)
+        finally:
+            release_file.touch()
+
+    releaser = threading.Thread(target=release, daemon=True)
+    releaser.start()
+    try:
+        yield
+    finally:
+        release_file.touch()
+        releaser.join()
+
+
 def translations_while_held(service_url: str, body: dict[str, Any], count: int, release_file: Path) -> list[httpx.Response]:
     """`count` POST /v1/translate with this body at once while the translator's next step is held
     (hold_next_step): it holds at most max_requests_held of them, so at least the rest are
@@ -131,15 +156,22 @@ def translations_while_held(service_url: str, body: dict[str, Any], count: int, 
         release_file.touch()
 
 
-def replica_stats(deployment: str, calls: int = 30, app: str = APP_NAME) -> dict[str, dict[str, Any]]:
-    """Engine stats by replica id (calls spread over the replicas by Serve's router)."""
+def replica_stats(deployment: str, calls: int = 30, app: str = APP_NAME, replicas: int | None = None) -> dict[str, dict[str, Any]]:
+    """Engine stats by replica id, from `calls` calls spread over the replicas by Serve's router;
+    given `replicas`, more calls until that many have answered (bounded). The router picks by the
+    queue lengths it cached (for seconds): after a burst it may send every call to one replica."""
     from ray import serve
 
     handle = serve.get_deployment_handle(deployment, app_name=app)
     stats: dict[str, dict[str, Any]] = {}
-    for _ in range(calls):
+    deadline = time.monotonic() + 60  # a bound on a broken deployment, not a speed limit
+    made = 0
+    while made < calls or (replicas is not None and len(stats) < replicas and time.monotonic() < deadline):
+        if made >= calls:
+            time.sleep(0.05)  # until the router's cached queue lengths expire
         s = handle.stats.remote().result()
         stats[s["replica"]] = s
+        made += 1
     return stats
 
 

@@ -97,6 +97,12 @@ class AsyncEngine:
     def num_free_slots(self) -> int:
         return self.state.free_slots
 
+    def num_streams(self) -> int:
+        """Requests submitted through this AsyncEngine and not yet finished or left by their reader
+        (a request left has had its Abort sent)."""
+        with self._lock:
+            return len(self._streams)
+
     @property
     def counters(self) -> EngineCounters:
         return self.state.counters
@@ -145,10 +151,10 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        self._send(Abort(request_id))  # before its stream goes: num_streams drops once it is sent
         with self._lock:
             self._streams.pop(request_id, None)
             self._verdicts.pop(request_id, None)  # one aborted while its grammar compiles gets none
-        self._send(Abort(request_id))
 
     def _send(self, message: object) -> None:
         with self._send_lock, contextlib.suppress(OSError):  # OSError: the process is gone (alive says so; the reader fails its streams)

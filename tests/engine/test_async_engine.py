@@ -124,7 +124,8 @@ def test_paced_streams_send_the_first_token_at_once_then_what_was_made_meanwhile
         first = await anext(stream)
         steps.release(30)
         await until(lambda: engine.counters.finished.get("stop") == 1)
-        await asyncio.sleep(0.05)  # the reader thread's last hand-over reaches this loop
+        engine.stop()  # joins the reader: every delta it published is scheduled on this loop
+        await asyncio.sleep(0)  # and now delivered
         return [first, *[d async for d in stream]]
 
     try:
@@ -145,7 +146,9 @@ def test_leaving_a_stream_early_aborts_and_frees_the_slot() -> None:
         for _ in range(3):
             steps.release()
             await anext(stream)
+        assert engine.num_streams() == 1
         await stream.aclose()  # what a cancelled reader does on client disconnect
+        assert engine.num_streams() == 0  # and its Abort is sent: no step has run meanwhile
         steps.release(10)  # ten steps, far fewer than the 997 tokens left: only the abort can end it
         await until(lambda: engine.num_free_slots() == 1)
 

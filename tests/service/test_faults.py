@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -119,34 +120,53 @@ def test_deadlines_end_requests_with_a_clear_status_and_free_their_slots(faults_
 
 
 @pytest.mark.parametrize("where", ["queued", "prefill"])
-def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(faults_url: str, metrics_url: str, where: str) -> None:
-    """A 0.8 s stall holds the step that admits the first request; the second arrives meanwhile
-    and waits. The client of one of them leaves during the stall: "prefill" the admitted one,
-    "queued" the waiting one. The other's translation is the same as alone; nothing is left
-    running, waiting or holding cache rows (the replica's stats and its gauges)."""
+def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(
+    faults_url: str, metrics_url: str, where: str, tmp_path: Path
+) -> None:
+    """The engine's next step is held until a file exists. The client of one of two requests
+    leaves while it is: "prefill" the one that step admitted, "queued" the one that arrived while
+    the other held it. The step is released once the replica has sent the abort (its open_streams),
+    so the abort reaches the engine before its next step. The other's translation is the same as
+    alone; nothing is left running, waiting or holding cache rows (the replica's stats and gauges)."""
     first, second = {"text": "A man rides a bike.", "beam_size": 1}, {"text": "Two dogs play in the park.", "beam_size": 1}
     alone = {
         b["text"]: httpx.post(f"{faults_url}/v1/translate", json=b, timeout=60).json()["translations"][0]["text"] for b in (first, second)
     }
     (before,) = replica_stats(FAULT_CONFIG.translator.name, 3).values()
-    handle(FAULT_CONFIG.translator.name).inject_fault.remote("stall", 1, 0.8).result()
+    release_file = tmp_path / "release"
+    handle(FAULT_CONFIG.translator.name).inject_fault.remote("stall", 1, None, str(release_file)).result()
+
+    def open_streams(count: int) -> None:
+        """Until the replica has `count` requests open (polled at once: the held requests' deadlines run)."""
+        deadline = time.monotonic() + 60  # a bound on a broken service, not a speed limit
+        while next(iter(replica_stats(FAULT_CONFIG.translator.name, 1).values()))["open_streams"] != count:
+            assert time.monotonic() < deadline, f"the replica never had {count} requests open"
+            time.sleep(0.01)
 
     async def main() -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as http, httpx.AsyncClient(timeout=0.4) as leaving:
-            cancelled, kept = (first, second) if where == "prefill" else (second, first)
-            if where == "prefill":
-                left = asyncio.ensure_future(leaving.post(f"{faults_url}/v1/translate", json=cancelled))
-                await asyncio.sleep(0.1)
-                stays = asyncio.ensure_future(http.post(f"{faults_url}/v1/translate", json=kept))
-            else:
-                stays = asyncio.ensure_future(http.post(f"{faults_url}/v1/translate", json=kept))
-                await asyncio.sleep(0.1)
-                left = asyncio.ensure_future(leaving.post(f"{faults_url}/v1/translate", json=cancelled))
-            with pytest.raises(httpx.TimeoutException):
-                await left  # the client gives up after 0.4 s and closes the connection
+            translate = asyncio.ensure_future
+            if where == "prefill":  # the leaving one is admitted by the held step; the kept one is sent once it has left
+                left = translate(leaving.post(f"{faults_url}/v1/translate", json=first))
+                with pytest.raises(httpx.TimeoutException):
+                    await left  # the client gives up after 0.4 s and closes the connection
+                await asyncio.to_thread(open_streams, 0)
+                stays = translate(http.post(f"{faults_url}/v1/translate", json=second))  # before or after the release
+            else:  # the kept one is admitted by the held step; the leaving one waits behind it
+                stays = translate(http.post(f"{faults_url}/v1/translate", json=first))
+                await asyncio.to_thread(open_streams, 1)
+                left = translate(leaving.post(f"{faults_url}/v1/translate", json=second))
+                await asyncio.to_thread(open_streams, 2)
+                with pytest.raises(httpx.TimeoutException):
+                    await left
+                await asyncio.to_thread(open_streams, 1)
+            release_file.touch()
             return await stays
 
-    kept_response = asyncio.run(main())
+    try:
+        kept_response = asyncio.run(main())
+    finally:
+        release_file.touch()
     kept_text = second["text"] if where == "prefill" else first["text"]
     assert kept_response.status_code == 200 and kept_response.json()["translations"][0]["text"] == alone[kept_text]
 

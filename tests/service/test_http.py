@@ -15,7 +15,7 @@ from httpx_sse import connect_sse
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, load_checkpoint
 from loading.tokenizer import Tokenizer
 from service.engine.offline import OfflineEngine
-from tests.helpers import TEST_CONFIG, astream_data, leave_stream, replica_stats, stream_data, translations_while_held
+from tests.helpers import TEST_CONFIG, astream_data, held_until_open, leave_stream, replica_stats, stream_data, translations_while_held
 from training.data import SHARED_DATA, read_lines
 
 GENERATOR = TEST_CONFIG.generator.name
@@ -149,15 +149,16 @@ async def _stream_completion(http: httpx.AsyncClient, i: int) -> tuple[str, str 
     return "".join(c["text"] for c in chunks), reason, frames[-1] == "[DONE]"
 
 
-def test_32_concurrent_streams_batch_together_on_two_replicas(service_url: str) -> None:
+def test_32_concurrent_streams_batch_together_on_two_replicas(service_url: str, tmp_path: Path) -> None:
     async def main() -> list[tuple[str, str | None, bool]]:
-        async with httpx.AsyncClient(base_url=service_url, timeout=300) as http:
+        async with httpx.AsyncClient(base_url=service_url, timeout=300, limits=httpx.Limits(max_connections=32)) as http:
             return await asyncio.gather(*(_stream_completion(http, i) for i in range(32)))
 
-    before = replica_stats(TEST_CONFIG.generator.name)
-    results = asyncio.run(main())
+    before = replica_stats(TEST_CONFIG.generator.name, replicas=2)
+    with held_until_open(TEST_CONFIG.generator, tmp_path / "release", 32):  # all 32 in the engines before they step
+        results = asyncio.run(main())
     assert all(done and reason == "length" and text for text, reason, done in results)
-    after = replica_stats(TEST_CONFIG.generator.name)
+    after = replica_stats(TEST_CONFIG.generator.name, replicas=2)
     assert len(before) == len(after) == 2, "both generator replicas answer"
     steps = {r: after[r]["steps"] - before[r]["steps"] for r in after}
     sequences = {r: after[r]["batch_size_sum"] - before[r]["batch_size_sum"] for r in after}
@@ -166,13 +167,13 @@ def test_32_concurrent_streams_batch_together_on_two_replicas(service_url: str) 
 
 
 def test_disconnecting_a_stream_frees_its_slot(service_url: str) -> None:
-    before = sum(s["finished"].get("abort", 0) for s in replica_stats(TEST_CONFIG.generator.name).values())
+    before = sum(s["finished"].get("abort", 0) for s in replica_stats(TEST_CONFIG.generator.name, replicas=2).values())
     body = {"model": GENERATOR, "prompt": "HAMLET:", "max_tokens": 200, "stream": True}
     leave_stream(f"{service_url}/v1/completions", body, after_events=2)
     # The connection is closed; the engine drops the sequence within a step or so.
     deadline = time.monotonic() + 120  # a bound on a broken engine, not a speed limit
     while True:
-        stats = replica_stats(TEST_CONFIG.generator.name)
+        stats = replica_stats(TEST_CONFIG.generator.name, replicas=2)
         aborted = sum(s["finished"].get("abort", 0) for s in stats.values())
         idle = all(s["running"] == 0 and s["free_slots"] == TEST_CONFIG.generator.engine.n_slots for s in stats.values())
         if aborted == before + 1 and idle:

@@ -17,7 +17,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from loadtests.cluster import free_port
-from tests.helpers import TEST_CONFIG, astream_data, leave_stream, replica_stats, scrape, translations_while_held
+from tests.helpers import TEST_CONFIG, astream_data, held_until_open, leave_stream, replica_stats, scrape, translations_while_held
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -278,7 +278,7 @@ def test_every_panel_and_alert_evaluates_and_ttft_counts_every_request(service_u
     assert all(r["health"] == "ok" for r in loaded), [(r["name"], r["health"], r.get("lastError")) for r in loaded]
 
 
-def test_mean_batch_size_read_from_the_metric_is_exact(service_url: str, metrics_url: str) -> None:
+def test_mean_batch_size_read_from_the_metric_is_exact(service_url: str, metrics_url: str, tmp_path: Path) -> None:
     """sum / count of serving_batch_size, as the dashboard and the load sweep read it, equals the
     engines' own count of sequences per step (Ray rebuilds the sum from bucket midpoints)."""
     deployments = {
@@ -293,14 +293,15 @@ def test_mean_batch_size_read_from_the_metric_is_exact(service_url: str, metrics
     def engines() -> dict[str, float]:
         totals = {}
         for model, (deployment, replicas) in deployments.items():
-            stats = replica_stats(deployment, calls=60)
+            stats = replica_stats(deployment, calls=60, replicas=replicas)
             assert len(stats) == replicas, f"{deployment}: {len(stats)} of {replicas} replicas answered"
             totals[f"{model} ray_serving_batch_size_sum"] = float(sum(s["batch_size_sum"] for s in stats.values()))
             totals[f"{model} ray_serving_batch_size_count"] = float(sum(s["steps"] for s in stats.values()))
         return totals
 
     metric_before, engines_before = settled(metric), engines()
-    asyncio.run(_mixed_load(service_url))
+    with held_until_open(TEST_CONFIG.generator, tmp_path / "release", 6):  # the six streams reach the engines before they step
+        asyncio.run(_mixed_load(service_url))
     engines_after = engines()
     engine_delta = {k: engines_after[k] - engines_before[k] for k in engines_after}
     metric_after = settled(metric, lambda v: all(v[k] - metric_before[k] >= engine_delta[k] for k in v))

@@ -238,7 +238,7 @@ def test_auto_source_refuses_french_naming_it(service_url: str) -> None:
     assert response.status_code == 400 and "French" in response.json()["error"]
     v1 = httpx.post(f"{service_url}/v1/translate", json={"text": french, "source_lang": "auto"})
     assert v1.status_code == 400 and v1.json()["error"]["param"] == "source_lang" and "French" in v1.json()["error"]["message"]
-    english = httpx.post(f"{service_url}/translate", json={"q": TEST_SOURCES[0], "source": "auto", "target": "de"}).json()
+    english = httpx.post(f"{service_url}/translate", json={"q": TEST_SOURCES[0], "source": "auto", "target": "de"}, timeout=60).json()
     assert english["detectedLanguage"]["language"] == "en"
 
 
