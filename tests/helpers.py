@@ -3,6 +3,7 @@ configs, and one way to read the service's event streams (httpx-sse). Fixtures l
 conftest.py files; the engine's fakes in tests/engine/helpers.py (which imports no Ray, FastAPI
 or pydantic)."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -130,8 +131,6 @@ def translations_while_held(service_url: str, body: dict[str, Any], count: int, 
     (hold_next_step): it holds at most max_requests_held of them, so at least the rest are
     refused, whatever the machine's speed. The step is released once they are; returns every
     response, in order."""
-    import asyncio
-
     held = TEST_CONFIG.translator.max_requests_held
     assert held is not None and count > held
     hold_next_step(TEST_CONFIG.translator, release_file)

@@ -183,14 +183,16 @@ def test_disconnecting_a_stream_frees_its_slot(service_url: str) -> None:
 
 
 def test_full_queue_answers_429_with_retry_after(service_url: str, tmp_path: Path) -> None:
-    """64 beam-8 requests at once for 16 slots (2 such requests) and 16 waiting places, while the
-    translator's next step is held: the rest are refused, and the accepted ones answered after."""
+    """64 beam-8 requests at once while the translator's next step is held: the ingress passes on
+    what its replica holds (32) and refuses the rest; the engine, with 16 slots (2 such requests)
+    and 16 waiting places, takes in the 32 once released and refuses all but 18 of them itself."""
     body = {"text": "A man in a blue shirt is walking his dog.", "beam_size": 8}
     responses = translations_while_held(service_url, body, 64, tmp_path / "release")
     statuses = [r.status_code for r in responses]
     assert set(statuses) <= {200, 429}
     refused = [r for r in responses if r.status_code == 429]
-    assert len(refused) >= 64 - (TEST_CONFIG.translator.max_requests_held or 0)
+    engine = TEST_CONFIG.translator.engine
+    assert len(refused) >= 64 - (engine.n_slots // 8 + engine.max_waiting)
     assert all(r.headers.get("retry-after") == "1" and r.json()["error"]["type"] == "rate_limit_error" for r in refused)
     assert statuses.count(200) >= 2
 

@@ -102,15 +102,11 @@ def burst(
     return [a for k, a in results if k == "completion"], [a for k, a in results if k == "healthz"]
 
 
-def p99(seconds: list[float]) -> float:
-    return sorted(seconds)[int(0.99 * (len(seconds) - 1))]
-
-
 def test_three_times_capacity_beside_a_healthz_burst(service_url: str, tmp_path: Path) -> None:
     expected = httpx.post(f"{service_url}/v1/completions", json=PROMPT, timeout=60).json()["choices"][0]["text"]
     at_capacity, _ = burst(service_url, capacity(), 0)
     at_capacity = [a for a in at_capacity if a.status == 200]  # the router spreads by sampling: a few may be refused
-    assert at_capacity
+    assert at_capacity and all(a.json()["choices"][0]["text"] == expected for a in at_capacity)
     # The engines hold their steps until at least all but capacity() completions are refused:
     # whatever the machine's speed, the ingress then holds capacity() requests and refuses the rest.
     release_file = tmp_path / "release"
@@ -130,20 +126,18 @@ def test_three_times_capacity_beside_a_healthz_burst(service_url: str, tmp_path:
     refused = [a for a in completions if a.status != 200]
     accepted = [a for a in completions if a.status == 200]
     assert all(a.status == 200 for a in health)
-    assert refused, f"{3 * capacity()} simultaneous completions against room for {capacity()} must see refusals"
+    assert len(refused) >= 2 * capacity(), f"{3 * capacity()} simultaneous completions against room for {capacity()}"
     for answer in refused:
         assert answer.status in (429, 503), answer.body
         assert answer.headers.get("retry-after") == str(TEST_CONFIG.retry_after_seconds)
         assert answer.json()["error"]["type"] in ("rate_limit_error", "service_unavailable")
     assert accepted and all(a.json()["choices"][0]["text"] == expected for a in accepted)
-    # Reported, not asserted: the accepted requests' p99 against its value at capacity (README).
-    p99_capacity, p99_overload = p99([a.seconds for a in at_capacity]), p99([a.seconds for a in accepted])
     after = httpx.post(f"{service_url}/v1/completions", json=PROMPT, timeout=60)
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected
     refusal_p50 = sorted(a.seconds for a in refused)[len(refused) // 2]
     health_p50 = sorted(a.seconds for a in health)[len(health) // 2]
     print(
-        f"{3 * capacity()} completions: {len(accepted)} accepted (p99 {p99_overload:.2f} s; {p99_capacity:.2f} s at capacity), "
+        f"{3 * capacity()} completions: {len(accepted)} accepted (answered once the hold was released), "
         f"{len(refused)} refused (p50 {refusal_p50:.3f} s; /healthz p50 {health_p50:.3f} s); "
         f"statuses {sorted(Counter(a.status for a in refused).items())}"
     )
