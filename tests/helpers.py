@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,15 @@ TEST_CONFIG = ServiceConfig(
 )
 
 
+def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 120.0, interval_s: float = 0.3) -> None:
+    """Polls condition every interval_s until it holds; the timeout bounds a broken service, it is
+    not a speed limit."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(interval_s)
+
+
 def hold_next_step(model: ModelServingConfig, release_file: Path) -> None:
     """Arms every replica of the session's `model` so that its engine's next step waits until
     release_file exists (fault injection, tests only). Create the file in a `finally`."""
@@ -110,10 +119,9 @@ def held_until_open(model: ModelServingConfig, release_file: Path, count: int) -
     hold_next_step(model, release_file)
 
     def release() -> None:
-        deadline = time.monotonic() + 120  # a bound on a broken service, not a speed limit
         try:
-            while time.monotonic() < deadline and sum(s["open_streams"] for s in replica_stats(model.name, 10).values()) < count:
-                time.sleep(0.01)
+            opened = lambda: sum(s["open_streams"] for s in replica_stats(model.name, 10).values()) >= count  # noqa: E731
+            wait_until(opened, f"{count} requests open", interval_s=0.01)
         finally:
             release_file.touch()
 

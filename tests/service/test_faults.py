@@ -6,7 +6,6 @@ import itertools
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,7 @@ from httpx_sse import connect_sse
 
 from service.config import ServiceConfig
 from service.engine.config import EngineConfig
-from tests.helpers import TEST_CONFIG, scrape
+from tests.helpers import TEST_CONFIG, scrape, wait_until
 from tests.helpers import replica_stats as shared_replica_stats
 
 APP = "faults"
@@ -59,13 +58,6 @@ def faults_url(service_url: str) -> Iterator[str]:
     wait_until(lambda: httpx.get(f"{url}/readyz", timeout=10).status_code == 200, "fault app ready")
     yield url
     serve.delete(APP)
-
-
-def wait_until(condition: Any, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
-        time.sleep(0.3)
 
 
 def handle(deployment: str) -> Any:
@@ -137,11 +129,9 @@ def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_unchanged(
     handle(FAULT_CONFIG.translator.name).inject_fault.remote("stall", 1, None, str(release_file)).result()
 
     def open_streams(count: int) -> None:
-        """Until the replica has `count` requests open (polled at once: the held requests' deadlines run)."""
-        deadline = time.monotonic() + 60  # a bound on a broken service, not a speed limit
-        while next(iter(replica_stats(FAULT_CONFIG.translator.name, 1).values()))["open_streams"] != count:
-            assert time.monotonic() < deadline, f"the replica never had {count} requests open"
-            time.sleep(0.01)
+        """Until the replica has `count` requests open (polled often: the held requests' deadlines run)."""
+        opened = lambda: next(iter(replica_stats(FAULT_CONFIG.translator.name, 1).values()))["open_streams"] == count  # noqa: E731
+        wait_until(opened, f"{count} open", interval_s=0.01)
 
     async def main() -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as http, httpx.AsyncClient(timeout=0.4) as leaving:
