@@ -25,6 +25,7 @@
 #define BLOCK 32
 #define SUPER 256 /* weights in a k-quant's super-block */
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14 }; /* ggml's type ids */
+enum { GGML_Q4_0_X8 = 102, GGML_Q4_1_X8 = 103, GGML_Q8_0_X8 = 108 }; /* ours: their blocks of 8 rows interleaved (below) */
 
 #if defined(__AVX512F__) /* 32 registers of 16 floats: 8 rows take 16 accumulators */
 #define LANES 16
@@ -47,14 +48,19 @@ typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), a
 /* The bytes one block (a k-quant: one super-block) of `type` takes (0 for a type this file does not read). */
 static inline int64_t block_bytes(int64_t type) {
     switch (type) {
-    case GGML_Q8_0: return 34;
-    case GGML_Q4_0: return 18;
-    case GGML_Q4_1: return 20;
+    case GGML_Q8_0: case GGML_Q8_0_X8: return 34;
+    case GGML_Q4_0: case GGML_Q4_0_X8: return 18;
+    case GGML_Q4_1: case GGML_Q4_1_X8: return 20;
     case GGML_Q4_K: return 144;
     case GGML_Q5_K: return 176;
     case GGML_Q6_K: return 210;
     default: return 0;
     }
+}
+
+/* The file's type whose blocks an interleaved type holds (the type itself for the others). */
+static inline int64_t file_type(int64_t type) {
+    return type == GGML_Q8_0_X8 ? GGML_Q8_0 : type == GGML_Q4_0_X8 ? GGML_Q4_0 : type == GGML_Q4_1_X8 ? GGML_Q4_1 : type;
 }
 
 static inline int is_k_quant(int64_t type) { return type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K; }
@@ -286,9 +292,36 @@ static inline __attribute__((always_inline)) void typed_rows(int type, const uin
     }
 }
 
+/* Row r's block, in the file's layout (block_bytes(type) bytes into dst), of an interleaved group's
+ * block (the layout below, at 8-bit activations' kernels): its scale, Q4_1's min, its weights'
+ * granules of 4 bytes (granule g of row r at (g 8 + r) 4). */
+static inline __attribute__((always_inline)) void file_block(int type, const uint8_t *group_block, int64_t r, uint8_t *dst) {
+    const int granules = type == GGML_Q8_0 ? 8 : 4, head = type == GGML_Q4_1 ? 4 : 2;
+    memcpy(dst, group_block + 4 * 8 * granules + 2 * r, 2);
+    if (type == GGML_Q4_1) memcpy(dst + 2, group_block + 4 * 8 * granules + 16 + 2 * r, 2);
+    for (int g = 0; g < granules; g++) memcpy(dst + head + 4 * g, group_block + (g * 8 + r) * 4, 4);
+}
+
+/* typed_rows for the interleaved types (of `type`'s blocks): a row's blocks put back as the file's, then dequantized. */
+static inline __attribute__((always_inline)) void interleaved_rows(int type, const uint8_t *w, const int64_t *ids, int64_t n, int64_t in,
+                                                                   float *dst) {
+    const int64_t size = block_bytes(type), group_size = 8 * row_bytes_of(type, in);
+    uint8_t block[34]; /* the largest of the three */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row = ids != NULL ? ids[i] : i;
+        const uint8_t *group = w + row / 8 * group_size;
+        for (int64_t b = 0; b < in / BLOCK; b++) {
+            vec values[PARTS];
+            file_block(type, group + b * 8 * size, row % 8, block);
+            dequantize_block(type, block, 0, values);
+            memcpy(dst + i * in + b * BLOCK, values, sizeof(values));
+        }
+    }
+}
+
 /* dst (n, in) float32 = the weight rows ids[0..n) (rows 0..n-1 where ids is NULL) of W in blocks of
- * `type`, dequantized as block_linear reads them. The caller checks the ids. Returns 0, or -1 for
- * another type. */
+ * `type`, dequantized as block_linear reads them (an interleaved type: W from a group's first row).
+ * The caller checks the ids. Returns 0, or -1 for another type. */
 int block_rows(const uint8_t *w, const int64_t *ids, int64_t n, int64_t in, int64_t type, float *dst) {
     switch (type) {
     case GGML_Q8_0: typed_rows(GGML_Q8_0, w, ids, n, in, dst); return 0;
@@ -297,6 +330,9 @@ int block_rows(const uint8_t *w, const int64_t *ids, int64_t n, int64_t in, int6
     case GGML_Q4_K: typed_rows(GGML_Q4_K, w, ids, n, in, dst); return 0;
     case GGML_Q5_K: typed_rows(GGML_Q5_K, w, ids, n, in, dst); return 0;
     case GGML_Q6_K: typed_rows(GGML_Q6_K, w, ids, n, in, dst); return 0;
+    case GGML_Q8_0_X8: interleaved_rows(GGML_Q8_0, w, ids, n, in, dst); return 0;
+    case GGML_Q4_0_X8: interleaved_rows(GGML_Q4_0, w, ids, n, in, dst); return 0;
+    case GGML_Q4_1_X8: interleaved_rows(GGML_Q4_1, w, ids, n, in, dst); return 0;
     default: return -1;
     }
 }
@@ -463,6 +499,136 @@ void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, floa
     }
 }
 
+/* ---- Weights of 8 rows interleaved (the layout model/block_quant.py's interleave writes for the
+ * types GGML_Q8_0_X8, GGML_Q4_0_X8 and GGML_Q4_1_X8: the file's bytes, placed for these kernels).
+ * Each group of 8 weight rows keeps its blocks in order; block b of a group is its 8 rows' weights,
+ * then their 8 fp16 scales d, then (Q4_1) their 8 fp16 mins m. The weights: Q8_0's 32 bytes a row
+ * as (4 vectors, 2 halves, 8 rows, 4 bytes) where the file has (row, 8 granules of 4 bytes); the
+ * 4-bit types' 16 bytes of nibbles a row as (2 vectors, 2 halves, 8 rows, 4 bytes) where the file
+ * has (row, 4 granules), each vector's low and high nibbles then two vectors of weights. Either way,
+ * 4 vectors whose 32-bit lane l holds 4 weights of row l % 8, and vpdpbusd sums them against the
+ * activation block's matching 4 bytes: 8 rows' dot products at once, in lanes, with no horizontal
+ * sum. AVX-512 with VNNI only (block_linear_x8_available). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define X8_AVAILABLE 1
+#define GROUP_ROWS 8
+
+/* The activation dwords (4 bytes of a block) each weight vector's lanes 0-7 and 8-15 meet: Q8_0's
+ * vector k holds granules 2k and 2k + 1; a 4-bit type's holds weights 0-3 and 4-7 (A's low nibbles),
+ * 16-19 and 20-23 (A's high), 8-11 and 12-15 (B's low), 24-27 and 28-31 (B's high). */
+static inline __m512i dword_pair(int first) {
+    const __m512i lanes = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_add_epi32(lanes, _mm512_set1_epi32(first));
+}
+
+/* The block's 8 rows' exact integer dot products with one activation block xb (32 int8), as 8
+ * int32 lanes (row 0 first). Q8_0's weights are signed: xb + 128 (unsigned) against them, less
+ * 128 times each row's weight sum (wsum); the 4-bit types' are unsigned 0..15, against xb. */
+static inline __attribute__((always_inline)) __m256i group_dots(int type, const __m512i *v, __m256i wsum, const int8_t *xb) {
+    __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)xb));
+    const int q8 = type == GGML_Q8_0;
+    __m512i sums = _mm512_setzero_si512();
+    if (q8) x = _mm512_xor_si512(x, _mm512_set1_epi8((char)0x80)); /* x + 128 as unsigned bytes */
+    for (int k = 0; k < 4; k++) {
+        const __m512i xk = _mm512_permutexvar_epi32(dword_pair(q8 ? 2 * k : (const int[]){0, 4, 2, 6}[k]), x);
+        sums = q8 ? _mm512_dpbusd_epi32(sums, xk, v[k]) : _mm512_dpbusd_epi32(sums, v[k], xk);
+    }
+    const __m256i dots = _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1));
+    return q8 ? _mm256_sub_epi32(dots, _mm256_slli_epi32(wsum, 7)) : dots;
+}
+
+/* Outputs o..o+7 (group g's rows) for R rows (a constant where inlined) of 8-bit activations xq with
+ * scales xd and xs = xd sum(xq) per block: y = sum_b d xd dot_b (+ sum_b m xs_b: Q4_1's m, Q4_0's
+ * -8 d), each row's sums in block order whatever R. */
+static inline __attribute__((always_inline)) void x8_group(int R, int type, const int8_t *xq, const float *xd, const float *xs,
+                                                           const uint8_t *group, const float *bias, float *y, int64_t in,
+                                                           int64_t out, int64_t o) {
+    const int64_t blocks = in / BLOCK, size = GROUP_ROWS * block_bytes(type), weights = type == GGML_Q8_0 ? 256 : 128;
+    const __m512i low = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+    __m256 acc[GROUP_ROWS], mins[GROUP_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + b * size;
+        __m512i v[4];
+        __m256i wsum = _mm256_setzero_si256();
+        if (type == GGML_Q8_0) {
+            __m512i sums = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                v[k] = _mm512_loadu_si512(block + 64 * k);
+                sums = _mm512_dpbusd_epi32(sums, ones, v[k]);
+            }
+            wsum = _mm256_add_epi32(_mm512_castsi512_si256(sums), _mm512_extracti64x4_epi64(sums, 1));
+        } else {
+            const __m512i a = _mm512_loadu_si512(block), c = _mm512_loadu_si512(block + 64);
+            v[0] = _mm512_and_si512(a, low), v[1] = _mm512_and_si512(_mm512_srli_epi16(a, 4), low);
+            v[2] = _mm512_and_si512(c, low), v[3] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + weights)));
+        const __m256 m = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + weights + 16)))
+                                           : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        for (int r = 0; r < R; r++) {
+            const __m256 dots = _mm256_cvtepi32_ps(group_dots(type, v, wsum, xq + r * in + b * BLOCK));
+            acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, _mm256_set1_ps(xd[r * blocks + b])), acc[r]);
+            if (type != GGML_Q8_0) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * blocks + b]), mins[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 sum = _mm256_add_ps(acc[r], mins[r]);
+        if (bias != NULL) sum = _mm256_add_ps(sum, _mm256_loadu_ps(bias + o));
+        _mm256_storeu_ps(y + r * out + o, sum);
+    }
+}
+
+static inline __attribute__((always_inline)) void x8_typed_linear(int type, const int8_t *xq, const float *xd, const float *xs,
+                                                                  const uint8_t *w, const float *bias, float *y, int64_t rows,
+                                                                  int64_t in, int64_t out) {
+    const int64_t group_size = GROUP_ROWS * row_bytes_of(type, in), blocks = in / BLOCK;
+    for (int64_t o = 0; o < out; o += GROUP_ROWS)
+        for (int64_t r = 0; r < rows; r += GROUP_ROWS) {
+            const int64_t n = rows - r < GROUP_ROWS ? rows - r : GROUP_ROWS;
+            const int8_t *xr = xq + r * in;
+            const float *dr = xd + r * blocks, *sr = xs + r * blocks;
+            const uint8_t *g = w + o / GROUP_ROWS * group_size;
+            float *yr = y + r * out;
+            switch (n) {
+            case 8: x8_group(8, type, xr, dr, sr, g, bias, yr, in, out, o); break;
+            case 7: x8_group(7, type, xr, dr, sr, g, bias, yr, in, out, o); break;
+            case 6: x8_group(6, type, xr, dr, sr, g, bias, yr, in, out, o); break;
+            case 5: x8_group(5, type, xr, dr, sr, g, bias, yr, in, out, o); break;
+            case 4: x8_group(4, type, xr, dr, sr, g, bias, yr, in, out, o); break;
+            case 3: x8_group(3, type, xr, dr, sr, g, bias, yr, in, out, o); break;
+            case 2: x8_group(2, type, xr, dr, sr, g, bias, yr, in, out, o); break;
+            default: x8_group(1, type, xr, dr, sr, g, bias, yr, in, out, o); break;
+            }
+        }
+}
+#else
+#define X8_AVAILABLE 0
+#endif
+
+/* The weight rows an interleaved type's group holds (8), 1 for the file's types. */
+int block_group_rows(int64_t type) { return file_type(type) != type ? 8 : 1; }
+
+/* Whether the interleaved types' kernels are built here (AVX-512 with VNNI). */
+int block_linear_x8_available(void) { return X8_AVAILABLE; }
+
+/* block_linear_q8 for W (out, a multiple of 8) of an interleaved type. Returns 0, or -1 for another
+ * type or where this build has no such kernel. */
+static int block_linear_x8(const int8_t *xq, const float *xd, const float *xs, const uint8_t *w, const float *bias, float *y,
+                           int64_t rows, int64_t in, int64_t out, int64_t type) {
+#if X8_AVAILABLE
+    switch (type) {
+    case GGML_Q8_0_X8: x8_typed_linear(GGML_Q8_0, xq, xd, xs, w, bias, y, rows, in, out); return 0;
+    case GGML_Q4_0_X8: x8_typed_linear(GGML_Q4_0, xq, xd, xs, w, bias, y, rows, in, out); return 0;
+    case GGML_Q4_1_X8: x8_typed_linear(GGML_Q4_1, xq, xd, xs, w, bias, y, rows, in, out); return 0;
+    default: return -1;
+    }
+#else
+    (void)xq, (void)xd, (void)xs, (void)w, (void)bias, (void)y, (void)rows, (void)in, (void)out, (void)type;
+    return -1;
+#endif
+}
+
 /* Whether block_linear_q8 is built here (x86 with AVX2). */
 int block_linear_q8_available(void) {
 #if defined(__AVX2__)
@@ -474,11 +640,13 @@ int block_linear_q8_available(void) {
 
 /* Whether block_linear_q8 multiplies weights of `type` in this build. */
 int block_linear_q8_reads(int64_t type) {
+    if (file_type(type) != type) return block_linear_x8_available();
     return block_linear_q8_available() && (type == GGML_Q8_0 || type == GGML_Q4_0 || type == GGML_Q4_1);
 }
 
 /* block_linear with x given as quantize_rows_q8's xq, xd, xs (rows of in): y (rows, out) = x W^T +
- * bias. Returns 0, or -1 for another type or where this build has no such kernel. */
+ * bias, W of Q8_0, Q4_0, Q4_1 or their interleaved types (out a multiple of 8). Returns 0, or -1 for
+ * another type or where this build has no such kernel. */
 int block_linear_q8(const int8_t *xq, const float *xd, const float *xs, const uint8_t *w, const float *bias, float *y, int64_t rows,
                     int64_t in, int64_t out, int64_t type) {
 #if defined(__AVX2__)
@@ -486,7 +654,7 @@ int block_linear_q8(const int8_t *xq, const float *xd, const float *xs, const ui
     case GGML_Q8_0: q8_typed_linear(GGML_Q8_0, xq, xd, xs, w, bias, y, rows, in, out); return 0;
     case GGML_Q4_0: q8_typed_linear(GGML_Q4_0, xq, xd, xs, w, bias, y, rows, in, out); return 0;
     case GGML_Q4_1: q8_typed_linear(GGML_Q4_1, xq, xd, xs, w, bias, y, rows, in, out); return 0;
-    default: return -1;
+    default: return block_linear_x8(xq, xd, xs, w, bias, y, rows, in, out, type);
     }
 #else
     (void)xq, (void)xd, (void)xs, (void)w, (void)bias, (void)y, (void)rows, (void)in, (void)out, (void)type;

@@ -29,6 +29,7 @@ int64_t block_row_bytes(int64_t type, int64_t in);
 int block_linear(const float *x, const uint8_t *w, const float *bias, float *y, int64_t rows, int64_t in, int64_t out, int64_t type);
 int block_rows(const uint8_t *w, const int64_t *ids, int64_t n, int64_t in, int64_t type, float *dst);
 int block_linear_q8_reads(int64_t type);
+int block_group_rows(int64_t type);
 void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, float *xd, float *xs);
 int block_linear_q8(const int8_t *xq, const float *xd, const float *xs, const uint8_t *w, const float *bias, float *y, int64_t rows,
                     int64_t in, int64_t out, int64_t type);
@@ -96,6 +97,8 @@ at::Tensor block_linear_kernel(const at::Tensor &input, const at::Tensor &blocks
     TORCH_CHECK_VALUE(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.size(0) == out_features &&
                           blocks.size(1) == row_size,
                       "block_linear: blocks (out_features, ", row_size, " bytes a row) contiguous uint8");
+    const int64_t group = block_group_rows(ggml_type);
+    TORCH_CHECK_VALUE(out_features % group == 0, "block_linear: ", out_features, " outputs in groups of ", group, " rows");
     TORCH_CHECK_VALUE(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == out_features),
                       "block_linear: bias (out_features,) contiguous float32");
     const at::Tensor rows = input.contiguous();
@@ -111,8 +114,8 @@ at::Tensor block_linear_kernel(const at::Tensor &input, const at::Tensor &blocks
                         ggml_type);
         return y;
     }
-    if (n > kernel_rows) { /* slabs of dequantized rows through torch's GEMM */
-        const int64_t slab = std::max<int64_t>(1, SLAB_FLOATS / in);
+    if (n > kernel_rows || group > 1) { /* slabs of dequantized rows through torch's GEMM (whole groups) */
+        const int64_t slab = std::max<int64_t>(8, SLAB_FLOATS / in / 8 * 8);
         at::Tensor weights = at::empty({slab, in}, rows.options());
         std::vector<at::Tensor> pieces;
         for (int64_t o = 0; o < out_features; o += slab) {

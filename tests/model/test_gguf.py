@@ -174,6 +174,60 @@ def test_block_kernels_compute_what_the_gguf_dequantizer_says(ggml_type: int) ->
         torch.testing.assert_close(block_product(x, blocks, None, 200, ggml_type), x @ reference.T, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("ggml_type", [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1])
+def test_interleaved_blocks_hold_the_files_bytes_and_compute_what_they_do(ggml_type: int) -> None:
+    """The 8-row interleaved layout: the same bytes (interleave's inverse gives the file's back), the
+    same weights dequantized, and products equal to the file layout's up to float32 summing order,
+    each row's output independent of the others in its call."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, 96) * torch.rand(200, 1), torch.randn(200)
+    blocks = block_quant.quantize(weight, ggml_type)
+    interleaved, ours = block_quant.interleave(blocks, ggml_type), block_quant.INTERLEAVED[ggml_type]
+    assert interleaved.shape == blocks.shape and not torch.equal(interleaved, blocks)
+    assert torch.equal(block_quant.deinterleave(interleaved, ours), blocks)
+    reference = dequantize(blocks, ggml_type, 96)
+    assert torch.equal(dequantize(interleaved, ours, 96), reference)
+    assert torch.equal(dequantize_rows(interleaved, ours, 96), reference)  # the C kernel where built
+    ids = torch.tensor([5, 0, 199, 5, 8])
+    assert torch.equal(dequantize_rows(interleaved, ours, 96, ids), reference[ids])
+    with pytest.raises(ValueError, match="in groups of 8"):
+        block_product(torch.randn(1, 96), interleaved[:196], None, 196, ours, 8)
+    if not block_quant.interleaved_available():
+        pytest.skip("no interleaved kernels on this CPU (AVX-512 VNNI)")
+    for rows in [1, 2, 3, 7, 8, 9, 16, 17]:
+        x = torch.randn(rows, 96)
+        got = block_product(x, interleaved, bias, 200, ours, 8)
+        torch.testing.assert_close(got, block_product(x, blocks, bias, 200, ggml_type, 8), atol=1e-5, rtol=1e-5)
+        for i in range(rows):
+            assert torch.equal(block_product(x[i : i + 1], interleaved, bias, 200, ours, 8)[0], got[i])
+        torch.testing.assert_close(block_product(x, interleaved, bias, 200, ours, 32), x @ reference.T + bias, atol=1e-4, rtol=1e-4)
+
+
+def _mapping_rss_kb(address: int) -> int:
+    """The resident kB of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split()[0]:
+            low, high = (int(a, 16) for a in line.split()[0].split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="/proc and madvise: Linux")
+def test_a_files_pages_leave_the_resident_set_once_laid_out_anew_and_read_back_the_same(tmp_path: Path) -> None:
+    data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    (tmp_path / "tensor.bin").write_bytes(data.tobytes())
+    mapped = torch.from_numpy(np.memmap(tmp_path / "tensor.bin", dtype=np.uint8, mode="c"))  # as GGUFReader(path, "c") maps
+    assert int(mapped.sum()) == int(data.sum()) and _mapping_rss_kb(mapped.data_ptr()) >= 1024  # read: resident
+    assert block_quant.release_file_pages(mapped)
+    assert _mapping_rss_kb(mapped.data_ptr()) == 0
+    assert torch.equal(mapped, torch.from_numpy(data))  # read again: from the file
+    anonymous = torch.arange(1 << 18, dtype=torch.int32)
+    assert not block_quant.release_file_pages(anonymous) and torch.equal(anonymous, torch.arange(1 << 18, dtype=torch.int32))
+
+
 def test_block_linear_without_the_kernel_multiplies_the_dequantized_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = BlockLinear.quantized(torch.randn(64, 64), torch.randn(64), block_quant.Q4_1)
     x = torch.randn(2, 3, 64)
@@ -195,13 +249,18 @@ def test_block_product_checks_its_arguments() -> None:
     assert BLOCK_BYTES[block_quant.Q8_0] * 2 == blocks.shape[1]
 
 
-@pytest.mark.parametrize("ggml_type", [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1, *sorted(block_quant.K_QUANTS)])
+@pytest.mark.parametrize(
+    "ggml_type", [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1, *sorted(block_quant.K_QUANTS), *sorted(block_quant.FILE_TYPE)]
+)
 def test_the_cpp_block_operator_equals_its_python_function(ggml_type: int) -> None:
     if "block_linear" not in cpu_kernels.native_operators():
         pytest.skip("the C++ operators did not build here")
     torch.manual_seed(0)
     if ggml_type in block_quant.K_QUANTS:
         blocks = random_k_blocks(ggml_type, 200, 512, ggml_type)
+    elif ggml_type in block_quant.FILE_TYPE:
+        file_type = block_quant.FILE_TYPE[ggml_type]
+        blocks = block_quant.interleave(block_quant.quantize(torch.randn(200, 512) * torch.rand(200, 1), file_type), file_type)
     else:
         blocks = block_quant.quantize(torch.randn(200, 512) * torch.rand(200, 1), ggml_type)
     operator = torch.ops.transformer_serving.block_linear
@@ -369,10 +428,31 @@ def test_8_bit_activations_are_float_activations_rounded_and_batch_independent(g
     torch.testing.assert_close(rounded, expected, atol=1e-3, rtol=1e-4)
 
 
-def test_activation_bits_are_set_on_every_block_layer(files: dict[tuple[str, str], Path]) -> None:
+def test_activation_bits_are_set_on_every_block_layer(files: dict[tuple[str, str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = load_gguf(files["qwen2", "Q4_1"])
+    file_bytes = {name: b.clone() for name, b in model.named_buffers() if name.endswith("blocks")}
+    ids = torch.tensor([[1, 50, 60, 70, 80]])
+    with torch.no_grad():
+        logits = model(ids)
     assert block_quant.set_activation_bits(model, 8) == 1 + 5 * model.config.n_layers
     assert {m.activation_bits for m in model.modules() if isinstance(m, BlockLinear)} == {8}
+    assert isinstance(model.output_projection, BlockLinear) and isinstance(model.embed, BlockEmbedding)
+    assert model.output_projection.blocks.data_ptr() == model.embed.blocks.data_ptr()  # tied: still one table
+    layouts = {m.ggml_type for m in model.modules() if isinstance(m, BlockLinear | BlockEmbedding)}
+    assert layouts == ({block_quant.Q4_1_X8} if block_quant.interleaved_available() else {block_quant.Q4_1})
+    as_in_the_file, _ = load_gguf(files["qwen2", "Q4_1"])
+    monkeypatch.setattr(block_quant, "interleaved_available", lambda: False)
+    block_quant.set_activation_bits(as_in_the_file, 8)
+    assert {m.ggml_type for m in as_in_the_file.modules() if isinstance(m, BlockLinear)} == {block_quant.Q4_1}
+    monkeypatch.undo()
+    with torch.no_grad():  # the layouts' products differ only in float32 summing order
+        torch.testing.assert_close(model(ids), as_in_the_file(ids), atol=1e-4, rtol=1e-4)
+        assert torch.equal(model.embed(ids), as_in_the_file.embed(ids))
+    assert block_quant.set_activation_bits(model, 32) == 1 + 5 * model.config.n_layers
+    assert {name: b for name, b in model.named_buffers() if name.endswith("blocks")}.keys() == file_bytes.keys()
+    assert all(torch.equal(b, file_bytes[name]) for name, b in model.named_buffers() if name.endswith("blocks"))
+    with torch.no_grad():
+        assert torch.equal(model(ids), logits)
     with pytest.raises(ValueError, match="8 or 32"):
         block_quant.set_activation_bits(model, 16)
 
