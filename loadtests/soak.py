@@ -26,6 +26,16 @@ SENTENCES = ["A man is riding a bike down the street.", "Two dogs are running in
 class SoakResult:
     outcomes: Counter[str] = field(default_factory=Counter)  # ok, cancelled (on purpose) or failed:<what>
     samples: list[tuple[float, dict[str, dict[str, int]]]] = field(default_factory=list)  # (seconds, stats)
+    traffic_ended_s: float = float("inf")  # when the last request had its answer (seconds from the start)
+
+    def quiet_samples(self) -> dict[str, list[dict[str, int]]]:
+        """Each process's samples taken after the traffic ended."""
+        quiet: dict[str, list[dict[str, int]]] = {}
+        for t, stats in self.samples:
+            if t >= self.traffic_ended_s:
+                for name, values in stats.items():
+                    quiet.setdefault(name, []).append(values)
+        return quiet
 
     def slopes(self, key: str, after_s: float) -> dict[str, float]:
         """Least-squares slope per minute of `key` for each process, over samples after after_s."""
@@ -77,16 +87,24 @@ async def _worker(http: httpx.AsyncClient, rng: random.Random, deadline: float, 
 
 
 # Samples after the traffic: a replica runs Serve's own periodic tasks on the loop that serves its
-# requests (service/app.py REPLICA_ENVIRONMENT), so one sample may catch a few that come and go; a
-# leaked task is in every one.
+# requests (service/app.py REPLICA_ENVIRONMENT), so one sample may catch a few that come and go, and
+# a sample can miss a replica (Serve's router picks which answers); a leaked task is in every one.
 QUIET_SAMPLES = 3
+QUIET_LIMIT_S = 90.0  # sampling after the traffic stops once `settled` says so, or after this long
 
 
 async def soak(
-    url: str, seconds: float, sample_stats: StatsSampler, users: int = 6, sample_every_s: float = 5.0, seed: int = 0
+    url: str,
+    seconds: float,
+    sample_stats: StatsSampler,
+    users: int = 6,
+    sample_every_s: float = 5.0,
+    seed: int = 0,
+    settled: Callable[[SoakResult], bool] = lambda _: True,
 ) -> SoakResult:
     """Runs `users` closed-loop clients for `seconds`, sampling stats every sample_every_s (and
-    once before and QUIET_SAMPLES times after, 2 s apart, when the traffic has stopped)."""
+    once before), then, the traffic stopped, every 2 s: at least QUIET_SAMPLES times, until
+    `settled(result)` or for QUIET_LIMIT_S (a bound for a service that never settles: a leak)."""
     result = SoakResult()
     started = time.monotonic()
     loop = asyncio.get_running_loop()
@@ -103,8 +121,10 @@ async def soak(
             await asyncio.sleep(sample_every_s)
             await sample()
         await asyncio.gather(*workers)
-    for _ in range(QUIET_SAMPLES):  # cancelled requests leave the engines within a step or so
-        await asyncio.sleep(2.0)
+    result.traffic_ended_s = time.monotonic() - started
+    limit = time.monotonic() + QUIET_LIMIT_S
+    while len(result.samples) < 1 + QUIET_SAMPLES or not (settled(result) or time.monotonic() > limit):
+        await asyncio.sleep(2.0)  # cancelled requests leave the engines within a step or so
         await sample()
     return result
 
