@@ -122,10 +122,11 @@ async def soak(
             await sample()
         await asyncio.gather(*workers)
     result.traffic_ended_s = time.monotonic() - started
-    limit = time.monotonic() + QUIET_LIMIT_S
-    while len(result.samples) < 1 + QUIET_SAMPLES or not (settled(result) or time.monotonic() > limit):
+    limit, quiet = time.monotonic() + QUIET_LIMIT_S, 0
+    while quiet < QUIET_SAMPLES or not (settled(result) or time.monotonic() > limit):
         await asyncio.sleep(2.0)  # cancelled requests leave the engines within a step or so
         await sample()
+        quiet += 1
     return result
 
 
