@@ -68,6 +68,7 @@ TEST_CONFIG = ServiceConfig(
             deployment={"ray_actor_options": {"num_cpus": 0.5}},
             torch_threads=1,
             fault_injection=True,  # see the generator's
+            heartbeat_timeout_s=600,  # see the generator's
         ),
         ModelServingConfig(
             name="transformer-shakespeare",
@@ -81,6 +82,10 @@ TEST_CONFIG = ServiceConfig(
             # steps (hold_next_step) while a burst arrives: what is refused does not depend on how
             # fast the engines drain their queues.
             fault_injection=True,
+            # A held step sends no heartbeat: the health check must not replace a replica whose
+            # step a test holds while a loaded machine brings its requests in. (tests/service/
+            # test_faults.py checks a wedged step's replacement, with a 3 s timeout of its own.)
+            heartbeat_timeout_s=600,
         ),
     ),
 )
@@ -95,16 +100,17 @@ def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 120.0
         time.sleep(interval_s)
 
 
-def hold_next_step(model: ModelServingConfig, release_file: Path) -> None:
+def hold_next_step(model: ModelServingConfig, release_file: Path, release_at_streams: int | None = None) -> None:
     """Arms every replica of the session's `model` so that its engine's next step waits until
-    release_file exists (fault injection, tests only). Create the file in a `finally`."""
+    release_file exists (fault injection, tests only); given release_at_streams, a replica creates
+    it once it has that many requests open. Create the file in a `finally`."""
     from ray import serve
 
     handle = serve.get_deployment_handle(model.name, app_name=APP_NAME)
     replicas = model.deployment.get("num_replicas", 1)
     armed: set[str] = set()
     for _ in range(100):  # the router picks a replica per call
-        armed.add(handle.inject_fault.remote("stall", 1, None, str(release_file)).result())
+        armed.add(handle.inject_fault.remote("stall", 1, None, str(release_file), release_at_streams).result())
         if len(armed) == replicas:
             return
     raise AssertionError(f"armed {len(armed)} of {replicas} replicas of {model.name} in 100 calls")
@@ -117,10 +123,11 @@ def held_until_open(model: ModelServingConfig, release_file: Path, count: int) -
     open_streams): requests the block sends are all in the engines before a step after the first
     runs, so they are batched whatever the machine's speed."""
     hold_next_step(model, release_file)
+    replicas = model.deployment.get("num_replicas", 1)
 
     def release() -> None:
         try:
-            opened = lambda: sum(s["open_streams"] for s in replica_stats(model.name, 10).values()) >= count  # noqa: E731
+            opened = lambda: sum(s["open_streams"] for s in replica_stats(model.name, 10, replicas=replicas).values()) >= count  # noqa: E731
             wait_until(opened, f"{count} requests open", interval_s=0.01)
         finally:
             release_file.touch()
@@ -136,26 +143,16 @@ def held_until_open(model: ModelServingConfig, release_file: Path, count: int) -
 
 def translations_while_held(service_url: str, body: dict[str, Any], count: int, release_file: Path) -> list[httpx.Response]:
     """`count` POST /v1/translate with this body at once while the translator's next step is held
-    (hold_next_step): it holds at most max_requests_held of them, so at least the rest are
-    refused, whatever the machine's speed. The step is released once they are; returns every
-    response, in order."""
+    (hold_next_step): the ingress passes on max_requests_held of them and refuses the rest, and
+    the replica releases the step once it has all it was passed open, so its engine takes them in
+    together before it steps again, whatever the machine's speed. Returns every response, in order."""
     held = TEST_CONFIG.translator.max_requests_held
-    assert held is not None and count > held
-    hold_next_step(TEST_CONFIG.translator, release_file)
+    assert held is not None and count > held and TEST_CONFIG.translator.deployment.get("num_replicas", 1) == 1
+    hold_next_step(TEST_CONFIG.translator, release_file, release_at_streams=held)
 
     async def main() -> list[httpx.Response]:
-        refusals = 0
-
-        async def translate(http: httpx.AsyncClient) -> httpx.Response:
-            nonlocal refusals
-            response = await http.post("/v1/translate", json=body)
-            refusals += response.status_code == 429
-            if refusals >= count - held:
-                release_file.touch()
-            return response
-
         async with httpx.AsyncClient(base_url=service_url, timeout=300, limits=httpx.Limits(max_connections=count)) as http:
-            return await asyncio.gather(*(translate(http) for _ in range(count)))
+            return await asyncio.gather(*(http.post("/v1/translate", json=body) for _ in range(count)))
 
     try:
         return asyncio.run(main())

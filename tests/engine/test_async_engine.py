@@ -7,6 +7,7 @@ import functools
 import multiprocessing
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from service.engine.async_engine import AsyncEngine, paced
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine, StepReport
 from service.engine.errors import EngineDeadError, QueueFullError
+from service.engine.faults import FaultInjectingRunner
 from service.engine.request import Delta, GenerationParams
 from tests.engine.helpers import FakeRunner
 
@@ -36,6 +38,11 @@ async def collect(stream: object) -> list[Delta]:
 def fake_engine(n_slots: int, max_waiting: int, runner: FakeRunner) -> Engine:
     """Built in the engine's process."""
     return Engine(runner, EngineConfig(n_slots=n_slots, max_waiting=max_waiting))  # type: ignore[arg-type]
+
+
+def faulty_engine(n_slots: int, max_waiting: int) -> Engine:
+    """Built in the engine's process: FakeRunner's steps through a FaultInjectingRunner."""
+    return Engine(FaultInjectingRunner(FakeRunner()), EngineConfig(n_slots=n_slots, max_waiting=max_waiting))  # type: ignore[arg-type]
 
 
 def make(
@@ -186,6 +193,32 @@ def test_full_queue_refuses_at_submit() -> None:
         asyncio.run(main())
     finally:
         steps.release(10_000)
+        engine.stop()
+
+
+def test_a_held_step_is_released_once_the_requests_it_waits_for_are_sent(tmp_path: Path) -> None:
+    """Armed with release_at_streams=3, the AsyncEngine creates the release file after sending the
+    third open request's Submit: the engine's process takes both requests sent during the held
+    step before it steps again, so with one waiting place the third is refused."""
+    release = tmp_path / "release"
+    engine = AsyncEngine(functools.partial(faulty_engine, 1, 1))
+
+    async def main() -> None:
+        engine.arm_fault("stall", 1, None, release, release_at_streams=3)
+        first = await engine.submit([10], GenerationParams(max_tokens=1000))  # its step holds
+        second = asyncio.ensure_future(engine.submit([10], GenerationParams(max_tokens=1000)))
+        await until(lambda: engine.num_streams() == 2)
+        assert not release.exists()  # two of the three open
+        with pytest.raises(QueueFullError, match="waiting queue holds 1 requests"):
+            await asyncio.wait_for(engine.submit([10], GenerationParams(max_tokens=5)), 60)  # a bound on a step never released
+        assert release.exists()
+        await (await second).aclose()
+        await first.aclose()  # type: ignore[attr-defined]
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.touch()
         engine.stop()
 
 
