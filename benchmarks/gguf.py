@@ -24,6 +24,9 @@ Per file, the systems taking turns for --repeats rounds, each keeping its best:
 - top1_agreement: the share of a 256-token prompt's positions whose most likely next token is the
   same in ours' logits (one row a step, as decoding computes them) and llama.cpp's, with 8-bit
   activations as llama.cpp's and (_float_activations) float32 ones, and the largest logit difference;
+  top1_agreement_llama_cpp_with_itself: the same share between llama.cpp's logits for the prompt
+  evaluated at once and one token at a time (n_batch 1): how often the random weights' near-tied
+  logits (median margin about 0.07) let a change of summation order alone change the top token;
 - resident_weight_bytes: ours' model's tensors, against the file's size.
 
 Prints a table; --json writes the figures (default benchmarks/results/gguf_llama_cpp.json), each
@@ -87,12 +90,10 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 class LlamaCpp:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, n_batch: int = PROMPT_TOKENS) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(
-            model_path=str(path), n_threads=1, n_threads_batch=1, n_ctx=1024, n_batch=PROMPT_TOKENS, logits_all=True, verbose=False
-        )
+        self.llm = Llama(model_path=str(path), n_threads=1, n_threads_batch=1, n_ctx=1024, n_batch=n_batch, logits_all=True, verbose=False)
 
     def decode(self, prompt: list[int]) -> float:
         self.llm.reset()
@@ -197,6 +198,8 @@ def measure(path: Path, repeats: int) -> dict[str, Any]:
         mine = system.logits(prompt)
         figures[f"top1_agreement{name}"] = round(float((theirs.argmax(-1) == mine.argmax(-1)).mean()), 4)
         figures[f"max_logit_difference{name}"] = round(float(np.abs(theirs - mine).max()), 4)
+    one_at_a_time = LlamaCpp(path, n_batch=1).logits(prompt)
+    figures["top1_agreement_llama_cpp_with_itself"] = round(float((theirs.argmax(-1) == one_at_a_time.argmax(-1)).mean()), 4)
     figures["resident_weight_bytes"] = ours.resident_bytes()
     figures["resident_over_file"] = round(figures["resident_weight_bytes"] / figures["file_bytes"], 3)
     return figures

@@ -634,13 +634,17 @@ def gguf_llama_cpp() -> str:
                 f"**{two(f['decode_tok_s_ratio'])}** / **{two(f['decode_tok_s_compiled_ratio'])}**",
                 f"{num(f['prompt_tok_s_llama_cpp'])} / {num(f['prompt_tok_s_ours'])}",
                 f"**{two(f['prompt_tok_s_ratio'])}**",
-                f"{f['top1_agreement']:.1%} / {f['top1_agreement_float_activations']:.1%}",
+                f"{f['top1_agreement']:.1%} / {f['top1_agreement_float_activations']:.1%} / {f['top1_agreement_llama_cpp_with_itself']:.1%}",
                 two(f["resident_over_file"]),
             ]
         )
     header = ["file", "decode tok/s at batch 1, llama.cpp / ours / ours compiled", "ours / llama.cpp: eager / compiled"]
     header += ["512-token prompt tok/s, llama.cpp / ours"]
-    header += ["ours / llama.cpp", "top-1 agreement, ours with 8-bit / float32 activations", "ours' resident weights / file"]
+    header += [
+        "ours / llama.cpp",
+        "top-1 agreement with llama.cpp: ours with 8-bit / float32 activations / llama.cpp one token at a time",
+        "ours' resident weights / file",
+    ]
     run = f"commit `{data['commit']}`, {data['llama_cpp']}, {data['threads']} thread each, {data['machine']}"
     return (
         table(header, rows) + f"\n\nMeasured by `python -m benchmarks.gguf --json` ({run}; files of {data['folder'].rsplit('/', 1)[-1]})."
