@@ -622,6 +622,9 @@ def vs_vllm_speculation(name: str = "vs_vllm_speculation", flags: str = "") -> s
     return table(header, rows) + measured_by(data, command)
 
 
+AGREEMENTS = ("top1_agreement", "top1_agreement_float_activations", "top1_agreement_llama_cpp_with_itself")
+
+
 def gguf_llama_cpp() -> str:
     """docs/performance.md: GGUF files served by ours and by llama.cpp, one thread each."""
     data = result("gguf_llama_cpp")
@@ -634,7 +637,7 @@ def gguf_llama_cpp() -> str:
                 f"**{two(f['decode_tok_s_ratio'])}** / **{two(f['decode_tok_s_compiled_ratio'])}**",
                 f"{num(f['prompt_tok_s_llama_cpp'])} / {num(f['prompt_tok_s_ours'])}",
                 f"**{two(f['prompt_tok_s_ratio'])}**",
-                f"{f['top1_agreement']:.1%} / {f['top1_agreement_float_activations']:.1%} / {f['top1_agreement_llama_cpp_with_itself']:.1%}",
+                " / ".join(f"{f[key]:.1%}" for key in AGREEMENTS),
                 two(f["resident_over_file"]),
             ]
         )
