@@ -64,7 +64,7 @@ class AsyncEngine:
         self._streams: dict[str, Stream] = {}
         self._verdicts: dict[str, Verdict] = {}
         self._release_at: tuple[int, Path] | None = None  # fault tests: (open requests, release file)
-        self._lock = threading.Lock()  # the two maps
+        self._lock = threading.Lock()  # the two maps and _release_at
         self._send_lock = threading.Lock()  # the pipe's sending end (never held with the other)
         self._stopping = threading.Event()
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
