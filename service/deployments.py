@@ -294,16 +294,17 @@ class ModelDeployment:
         steps: int = 1,
         stall_s: float | None = None,
         release_file: str | None = None,
-        release_at_streams: int | None = None,
+        announce_open: tuple[int, str] | None = None,
     ) -> str:
         """For fault tests, refused unless the config runs the engine through a FaultInjectingRunner:
         each of the next `steps` engine steps raises ("error"), or first stalls ("stall"): stall_s
         seconds (None: forever, a wedged loop that check_health reports and Serve replaces), or
-        until release_file exists, which this replica creates once it has release_at_streams
-        requests open (when given). Returns this replica's id."""
+        until release_file exists. Given announce_open (count, file), this replica creates the file
+        once it has `count` requests open. Returns this replica's id."""
         if not self.config.fault_injection:
             raise PermissionError("fault injection is off for this deployment")
-        self.engine.arm_fault(kind, steps, stall_s, Path(release_file) if release_file is not None else None, release_at_streams)
+        announce = None if announce_open is None else (announce_open[0], Path(announce_open[1]))
+        self.engine.arm_fault(kind, steps, stall_s, Path(release_file) if release_file is not None else None, announce)
         return str(serve.get_replica_context().replica_id.unique_id)
 
     def check_health(self) -> None:

@@ -100,17 +100,18 @@ def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 120.0
         time.sleep(interval_s)
 
 
-def hold_next_step(model: ModelServingConfig, release_file: Path, release_at_streams: int | None = None) -> None:
+def hold_next_step(model: ModelServingConfig, release_file: Path, announce_open: tuple[int, Path] | None = None) -> None:
     """Arms every replica of the session's `model` so that its engine's next step waits until
-    release_file exists (fault injection, tests only); given release_at_streams, a replica creates
-    it once it has that many requests open. Create the file in a `finally`."""
+    release_file exists (fault injection, tests only); given announce_open (count, file), a replica
+    creates that file once it has `count` requests open. Create release_file in a `finally`."""
     from ray import serve
 
     handle = serve.get_deployment_handle(model.name, app_name=APP_NAME)
     replicas = model.deployment.get("num_replicas", 1)
     armed: set[str] = set()
     for _ in range(100):  # the router picks a replica per call
-        armed.add(handle.inject_fault.remote("stall", 1, None, str(release_file), release_at_streams).result())
+        announce = None if announce_open is None else (announce_open[0], str(announce_open[1]))
+        armed.add(handle.inject_fault.remote("stall", 1, None, str(release_file), announce).result())
         if len(armed) == replicas:
             return
     raise AssertionError(f"armed {len(armed)} of {replicas} replicas of {model.name} in 100 calls")
@@ -143,16 +144,25 @@ def held_until_open(model: ModelServingConfig, release_file: Path, count: int) -
 
 def translations_while_held(service_url: str, body: dict[str, Any], count: int, release_file: Path) -> list[httpx.Response]:
     """`count` POST /v1/translate with this body at once while the translator's next step is held
-    (hold_next_step): the ingress passes on max_requests_held of them and refuses the rest, and
-    the replica releases the step once it has all it was passed open, so its engine takes them in
-    together before it steps again, whatever the machine's speed. Returns every response, in order."""
+    (hold_next_step): the ingress passes on max_requests_held of them and refuses the rest. The
+    step is released once both hold: every refusal is back (so every request has reached the
+    ingress) and the replica has all it was passed open (so its engine takes them in together
+    before it steps again), whatever the machine's speed. Returns every response, in order."""
     held = TEST_CONFIG.translator.max_requests_held
     assert held is not None and count > held and TEST_CONFIG.translator.deployment.get("num_replicas", 1) == 1
-    hold_next_step(TEST_CONFIG.translator, release_file, release_at_streams=held)
+    opened = release_file.with_name(release_file.name + ".opened")
+    hold_next_step(TEST_CONFIG.translator, release_file, announce_open=(held, opened))
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=service_url, timeout=300, limits=httpx.Limits(max_connections=count)) as http:
-            return await asyncio.gather(*(http.post("/v1/translate", json=body) for _ in range(count)))
+            sent = [asyncio.ensure_future(http.post("/v1/translate", json=body)) for _ in range(count)]
+            deadline = time.monotonic() + 300  # a bound on a broken service, not a speed limit
+            # While the step is held nothing but the ingress answers: each answer is a refusal.
+            while sum(task.done() for task in sent) < count - held or not opened.exists():
+                assert time.monotonic() < deadline, f"{sum(t.done() for t in sent)} answered, opened: {opened.exists()}"
+                await asyncio.sleep(0.01)
+            release_file.touch()
+            return await asyncio.gather(*sent)
 
     try:
         return asyncio.run(main())

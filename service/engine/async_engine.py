@@ -63,8 +63,8 @@ class AsyncEngine:
         self.last_heartbeat = time.monotonic()  # of the last message from the engine's process
         self._streams: dict[str, Stream] = {}
         self._verdicts: dict[str, Verdict] = {}
-        self._release_at: tuple[int, Path] | None = None  # fault tests: (open requests, release file)
-        self._lock = threading.Lock()  # the two maps and _release_at
+        self._announce_open: tuple[int, Path] | None = None  # fault tests: (open requests, file to create)
+        self._lock = threading.Lock()  # the two maps and _announce_open
         self._send_lock = threading.Lock()  # the pipe's sending end (never held with the other)
         self._stopping = threading.Event()
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
@@ -114,23 +114,23 @@ class AsyncEngine:
         steps: int = 1,
         stall_s: float | None = None,
         release_file: Path | None = None,
-        release_at_streams: int | None = None,
+        announce_open: tuple[int, Path] | None = None,
     ) -> None:
         """Arms the engine's FaultInjectingRunner (an engine built without one ends its process).
-        Given release_at_streams, this AsyncEngine creates release_file once that many requests are
-        open here, after sending the last one's Submit: the held step ends with all of them in the
-        engine's pipe, which takes them in before its next step."""
+        Given announce_open (count, file), this AsyncEngine creates the file once `count` requests
+        are open here, after sending the last one's Submit: a step held until then ends with all of
+        them in the engine's pipe, which takes them in before its next step."""
         with self._lock:
-            self._release_at = None if release_file is None or release_at_streams is None else (release_at_streams, release_file)
+            self._announce_open = announce_open
         self._send(ArmFault(kind, steps, stall_s, release_file))
 
-    def _release_held_step(self) -> None:
+    def _announce_if_open(self) -> None:
         with self._lock:
-            release, streams = self._release_at, len(self._streams)
-            if release is None or streams < release[0]:
+            announce, streams = self._announce_open, len(self._streams)
+            if announce is None or streams < announce[0]:
                 return
-            self._release_at = None
-        release[1].touch()
+            self._announce_open = None
+        announce[1].touch()
 
     async def submit(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None) -> AsyncGenerator[Delta, None]:
         """Sends the request to the engine and returns its delta stream once the engine has queued it
@@ -147,7 +147,7 @@ class AsyncEngine:
             self._streams[request_id] = (deltas, loop)
             self._verdicts[request_id] = (verdict, loop)
         self._send(Submit(request_id, prompt_ids, params, time.monotonic()))
-        self._release_held_step()
+        self._announce_if_open()
         try:
             error = await verdict
         except asyncio.CancelledError:

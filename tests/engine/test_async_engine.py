@@ -196,22 +196,24 @@ def test_full_queue_refuses_at_submit() -> None:
         engine.stop()
 
 
-def test_a_held_step_is_released_once_the_requests_it_waits_for_are_sent(tmp_path: Path) -> None:
-    """Armed with release_at_streams=3, the AsyncEngine creates the release file after sending the
-    third open request's Submit: the engine's process takes both requests sent during the held
-    step before it steps again, so with one waiting place the third is refused."""
-    release = tmp_path / "release"
+def test_a_held_step_released_once_its_requests_are_announced_open_takes_them_in_together(tmp_path: Path) -> None:
+    """Armed with announce_open=(3, file), the AsyncEngine creates the file after sending the third
+    open request's Submit: a step released then takes both requests sent while it was held before
+    it steps again, so with one waiting place the third is refused."""
+    release, opened = tmp_path / "release", tmp_path / "opened"
     engine = AsyncEngine(functools.partial(faulty_engine, 1, 1))
 
     async def main() -> None:
-        engine.arm_fault("stall", 1, None, release, release_at_streams=3)
+        engine.arm_fault("stall", 1, None, release, announce_open=(3, opened))
         first = await engine.submit([10], GenerationParams(max_tokens=1000))  # its step holds
         second = asyncio.ensure_future(engine.submit([10], GenerationParams(max_tokens=1000)))
         await until(lambda: engine.num_streams() == 2)
-        assert not release.exists()  # two of the three open
+        assert not opened.exists()  # two of the three open
+        third = asyncio.ensure_future(engine.submit([10], GenerationParams(max_tokens=5)))
+        await until(opened.exists)
+        release.touch()
         with pytest.raises(QueueFullError, match="waiting queue holds 1 requests"):
-            await asyncio.wait_for(engine.submit([10], GenerationParams(max_tokens=5)), 60)  # a bound on a step never released
-        assert release.exists()
+            await asyncio.wait_for(third, 60)  # a bound on a broken engine
         await (await second).aclose()
         await first.aclose()  # type: ignore[attr-defined]
 
