@@ -622,6 +622,24 @@ def vs_vllm_speculation(name: str = "vs_vllm_speculation", flags: str = "") -> s
     return table(header, rows) + measured_by(data, command)
 
 
+def translator_drafting() -> str:
+    """docs/performance.md: decoder steps of greedy translation that n-gram drafting could save
+    (benchmarks/results/translator_drafting.json)."""
+    data = result("translator_drafting")
+    rows = [
+        [context, recent, f"**{data[f'{key}_tokens_per_step']:.3f}**"]
+        for context, recent, key in (
+            ("the output", "no", "output"),
+            ("the output", "yes", "output_and_recent"),
+            ("the source, then the output", "no", "source_and_output"),
+            ("the source, then the output", "yes", "source_and_output_and_recent"),
+        )
+    ]
+    run = f"commit `{data['commit']}`, {num(data['sentences'])} sentences, {num(data['tokens'])} tokens, up to {data['k']} proposed a step"
+    header = ["the proposer reads", "and the answers before it", "tokens a step (greedy, verification free)"]
+    return table(header, rows) + f"\n\nMeasured by `python -m benchmarks.translator_drafting --json` ({run})."
+
+
 AGREEMENTS = ("top1_agreement", "top1_agreement_float_activations", "top1_agreement_llama_cpp_with_itself")
 
 
@@ -673,6 +691,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "vs-vllm-tiny": vs_vllm_tiny,
     "vs-vllm-speculation": vs_vllm_speculation,
     "vs-vllm-copy": lambda: vs_vllm_speculation("vs_vllm_copy", "--copy FOLDER "),
+    "translator-drafting": translator_drafting,
     "gguf-llama-cpp": gguf_llama_cpp,
     "vs-vllm-gguf": lambda: vs_vllm_speculation("vs_vllm_gguf_Q4_1", "--gguf Q4_1 "),
     "serving": serving,

@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks import front_door, peers, report
+from benchmarks import front_door, peers, report, translator_drafting
 from service.config import ServiceConfig
+from service.engine.config import EngineConfig
+from service.engine.speculation import RecentOutputs
 from tests.hf_folders import build_llama_folder, build_marian_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +173,19 @@ def test_paged_attention_quick_times_the_kernel_and_the_plain_path() -> None:
         plain, kernel = figures[f"{stem}_plain_{unit}"], figures[f"{stem}_kernel_{unit}"]
         # the times' rounding, and the speed-up's own to 3 decimals (0.0005: a speed-up far below 1)
         assert speedup == pytest.approx(plain / kernel, rel=0.001 + half_step / plain + half_step / kernel, abs=0.0005)
+
+
+def test_translator_drafting_counts_the_steps_drafting_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six tokens with nothing repeated take six steps; the same six again, drafted from the answer
+    before them, three (one token, then the 2-gram matched: four proposed and taken, one more)."""
+    config = EngineConfig()
+    twice = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]
+    assert translator_drafting.decoder_steps(twice, None, None, config) == 12
+    assert translator_drafting.decoder_steps(twice, None, RecentOutputs(2, 4, 8192), config) == 6 + 3
+    figures = printed_json(run("benchmarks.translator_drafting", "--quick", "--json"))
+    assert figures["sentences"] == 16 and all(figures[f"{key}_tokens_per_step"] >= 1.0 for key in ("output", "source_and_output"))
+    (tmp_path / "translator_drafting.json").write_text(json.dumps(figures))
+    rendered(monkeypatch, tmp_path, "translator-drafting")
 
 
 def test_translator_parts_quick_turns_each_part_off_and_translates_the_same() -> None:
