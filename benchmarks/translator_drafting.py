@@ -73,7 +73,8 @@ def main() -> None:
     print(f"{'context':22} {'recent outputs':>15} {'steps':>7} {'tokens a step':>14}")
     for context, with_sources in (("output", None), ("source_and_output", sources)):
         for with_recent in (False, True):
-            recent = RecentOutputs(config.prompt_lookup_min, config.prompt_lookup_max, config.recent_outputs_tokens) if with_recent else None
+            n, most = (config.prompt_lookup_min, config.prompt_lookup_max), config.recent_outputs_tokens
+            recent = RecentOutputs(*n, most) if with_recent else None
             steps = decoder_steps(outputs, with_sources, recent, config)
             name = f"{context}{'_and_recent' if with_recent else ''}"
             figures[f"{name}_tokens_per_step"] = round(tokens / steps, 3)
