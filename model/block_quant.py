@@ -151,7 +151,7 @@ def _q8_kernels() -> tuple[Callable[..., None], Callable[..., int]] | None:
     available = cpu_kernels.load_function("block_linear_q8_available", ctypes.c_int, [])
     if available is None or not available():
         return None
-    quantize_rows = cpu_kernels.load_function("quantize_rows_q8", None, [pointer, size, size, pointer, pointer, pointer])
+    quantize_rows = cpu_kernels.load_function("quantize_rows_q8", None, [pointer, size, size, pointer, pointer, pointer, size])
     linear = cpu_kernels.load_function("block_linear_q8", ctypes.c_int, [pointer] * 6 + [size] * 4)
     assert quantize_rows is not None and linear is not None
     return quantize_rows, linear
@@ -242,7 +242,7 @@ def block_product(
     if q8 is not None:
         quantized = torch.empty(n, in_features, dtype=torch.int8)
         scales = torch.empty(2, n, in_features // BLOCK)  # each block's scale, and scale x sum of its values
-        q8[0](rows.data_ptr(), n, in_features, quantized.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
+        q8[0](rows.data_ptr(), n, in_features, quantized.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), ggml_type)
         y = rows.new_empty(n, out_features)
         q8[1](
             quantized.data_ptr(),

@@ -481,8 +481,11 @@ int int8_linear(const int8_t *xq, const float *xscale, const int8_t *w, const fl
 
 /* x (rows, in) float32 -> xq (rows, in) int8 in blocks of BLOCK with scales xd (rows, in / BLOCK)
  * = max |x| / 127 (Q8_0's: values rounded to nearest, half away from zero, by the float32 scale;
- * the scale then kept in fp16, as llama.cpp's quantize_row_q8_0_ref) and xs = xd * sum(xq) per block. */
-void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, float *xd, float *xs) {
+ * the scale then kept in fp16, as llama.cpp's quantize_row_q8_0_ref) and, per block, xs = xd *
+ * sum(xq); for weights of a Q4_1 type (llama.cpp's block_q8_1 s, quantize_row_q8_1_ref) the
+ * float32 scale times sum(xq), kept in fp16. type: the weights' ggml type, which block_linear_q8 takes. */
+void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, float *xd, float *xs, int64_t type) {
+    const int q8_1 = type == GGML_Q4_1 || type == GGML_Q4_1_X8;
     for (int64_t i = 0; i < rows * in / BLOCK; i++) {
         const float *v = x + i * BLOCK;
         float amax = 0.0f;
@@ -495,7 +498,8 @@ void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, floa
             sum += q;
         }
         const float stored = (float)(_Float16)d; /* kept as fp16, as llama.cpp's block_q8_0 keeps it */
-        xd[i] = stored, xs[i] = stored * (float)sum;
+        xd[i] = stored;
+        xs[i] = q8_1 ? (float)(_Float16)(d * (float)sum) : stored * (float)sum;
     }
 }
 

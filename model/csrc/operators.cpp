@@ -30,7 +30,7 @@ int block_linear(const float *x, const uint8_t *w, const float *bias, float *y, 
 int block_rows(const uint8_t *w, const int64_t *ids, int64_t n, int64_t in, int64_t type, float *dst);
 int block_linear_q8_reads(int64_t type);
 int block_group_rows(int64_t type);
-void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, float *xd, float *xs);
+void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, float *xd, float *xs, int64_t type);
 int block_linear_q8(const int8_t *xq, const float *xd, const float *xs, const uint8_t *w, const float *bias, float *y, int64_t rows,
                     int64_t in, int64_t out, int64_t type);
 int int8_linear(const int8_t *xq, const float *xscale, const int8_t *w, const float *wscale, const float *bias, float *y, int64_t rows,
@@ -108,7 +108,7 @@ at::Tensor block_linear_kernel(const at::Tensor &input, const at::Tensor &blocks
     if (activation_bits == 8 && block_linear_q8_reads(ggml_type)) { /* every row by integer dot products */
         at::Tensor quantized = at::empty({n, in}, rows.options().dtype(at::kChar)), scales = at::empty({2, n, in / 32}, rows.options());
         float *d = scales.mutable_data_ptr<float>();
-        quantize_rows_q8(x, n, in, quantized.mutable_data_ptr<int8_t>(), d, d + n * (in / 32));
+        quantize_rows_q8(x, n, in, quantized.mutable_data_ptr<int8_t>(), d, d + n * (in / 32), ggml_type);
         at::Tensor y = at::empty({n, out_features}, rows.options());
         block_linear_q8(quantized.const_data_ptr<int8_t>(), d, d + n * (in / 32), w, b, y.mutable_data_ptr<float>(), n, in, out_features,
                         ggml_type);

@@ -408,6 +408,25 @@ def test_a_llama_3_1_files_rope_freqs_give_its_folders_transformers_logits(tmp_p
         assert problem in _one_line(tmp_path / "bad.gguf")
 
 
+def llama_cpp_product(rows: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """rows (N, in) times the weight in blocks (out, row bytes), as llama.cpp computes it: the rows
+    quantized as Q8_0 (the gguf package's quantizer), a Q4_1 weight's min term with Q8_1's s (each
+    block's sum of ints times its float32 scale, kept in fp16) where the Q8_0 rows give fp16 scale x sum."""
+    n, in_features = rows.shape
+    q8_rows = torch.from_numpy(
+        gguf.quants.dequantize(gguf.quants.quantize(rows.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+    )
+    product = q8_rows @ dequantize(blocks, ggml_type, in_features).T  # (N, out)
+    if ggml_type != block_quant.Q4_1:
+        return product
+    nb = in_features // 32
+    scale = rows.view(n, nb, 32).abs().amax(-1) / 127  # (N, blocks), float32
+    stored = scale.half().float()
+    sums = (q8_rows.view(n, nb, 32) / torch.where(stored > 0, stored, 1)[..., None]).round().sum(-1)  # (N, blocks): the ints' sums
+    mins = blocks.view(-1, nb, 20)[:, :, 2:4].contiguous().view(torch.float16).float()[..., 0]  # (out, blocks)
+    return product + ((scale * sums).half().float() - stored * sums) @ mins.T
+
+
 @pytest.mark.parametrize("ggml_type", [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1])
 def test_8_bit_activations_are_float_activations_rounded_and_batch_independent(ggml_type: int) -> None:
     if not block_quant.q8_available():
@@ -422,10 +441,7 @@ def test_8_bit_activations_are_float_activations_rounded_and_batch_independent(g
     assert 0 < ((rounded - exact).norm() / exact.norm()) < 0.02
     for i in range(7):
         assert torch.equal(block_product(rows[i : i + 1], blocks, bias, 200, ggml_type, 8)[0], rounded[i])
-    # what llama.cpp computes: the rows quantized as Q8_0 (the gguf package's quantizer), times the weights
-    q8_rows = gguf.quants.dequantize(gguf.quants.quantize(rows.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
-    expected = torch.from_numpy(q8_rows) @ dequantize(blocks, ggml_type, 96).T + bias
-    torch.testing.assert_close(rounded, expected, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(rounded, llama_cpp_product(rows, blocks, ggml_type) + bias, atol=1e-3, rtol=1e-4)
 
 
 def test_activation_bits_are_set_on_every_block_layer(files: dict[tuple[str, str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -610,20 +626,19 @@ def test_the_block_kernels_built_for_each_vector_width_compute_the_reference(tar
         assert target == "x86-64"  # the 8-bit kernels need AVX2
         return
     quantize_rows, linear_q8, int8 = library.quantize_rows_q8, library.block_linear_q8, library.int8_linear
-    quantize_rows.restype, quantize_rows.argtypes = None, [pointer, size, size, pointer, pointer, pointer]
+    quantize_rows.restype, quantize_rows.argtypes = None, [pointer, size, size, pointer, pointer, pointer, size]
     linear_q8.restype, linear_q8.argtypes = ctypes.c_int, [pointer] * 6 + [size] * 4
     int8.restype, int8.argtypes = ctypes.c_int, [pointer] * 6 + [size] * 3
     for rows in [1, 2, 3, 4, 5, 9]:
         x = torch.randn(rows, in_features)
-        quantized, scales = torch.empty(rows, in_features, dtype=torch.int8), torch.empty(2, rows, in_features // 32)
-        quantize_rows(x.data_ptr(), rows, in_features, quantized.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
-        x8 = gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
         for ggml_type in [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1]:
+            quantized, scales = torch.empty(rows, in_features, dtype=torch.int8), torch.empty(2, rows, in_features // 32)
+            quantize_rows(x.data_ptr(), rows, in_features, quantized.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), ggml_type)
             blocks = block_quant.quantize(torch.randn(out_features, in_features), ggml_type)
             y = torch.empty(rows, out_features)
             args = (quantized.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), blocks.data_ptr(), None, y.data_ptr())
             assert linear_q8(*args, rows, in_features, out_features, ggml_type) == 0
-            torch.testing.assert_close(y, torch.from_numpy(x8) @ dequantize(blocks, ggml_type, in_features).T, atol=1e-3, rtol=1e-4)
+            torch.testing.assert_close(y, llama_cpp_product(x, blocks, ggml_type), atol=1e-3, rtol=1e-4)
         layer = Int8Linear.from_linear(torch.nn.Linear(in_features, out_features))
         row_scale = x.abs().amax(dim=-1, keepdim=True) / 127
         xq = torch.round(x / row_scale).to(torch.int8)
