@@ -76,8 +76,9 @@ def ensure_llama_cpp() -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", LLAMA_CPP], check=True, env={**os.environ, **environment})
 
 
-def gguf_file(folder: Path, kind: str) -> Path:
-    path = FILES / f"{folder.name}-{kind}.gguf"
+def gguf_file(folder: Path, kind: str, stem: str | None = None) -> Path:
+    """runs/gguf/<stem>-<kind>.gguf (stem: the folder's name), written from folder when missing."""
+    path = FILES / f"{stem or folder.name}-{kind}.gguf"
     if not path.is_file():
         FILES.mkdir(parents=True, exist_ok=True)
         export_gguf(folder, path, kind)
@@ -90,10 +91,22 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 class LlamaCpp:
-    def __init__(self, path: Path, n_batch: int = PROMPT_TOKENS) -> None:
+    """llama.cpp over one file, one thread; kv_type: its KV cache's ggml type (1, F16: its default; 0, F32: ours')."""
+
+    def __init__(self, path: Path, n_batch: int = PROMPT_TOKENS, kv_type: int = 1) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(path), n_threads=1, n_threads_batch=1, n_ctx=1024, n_batch=n_batch, logits_all=True, verbose=False)
+        self.llm = Llama(
+            model_path=str(path),
+            n_threads=1,
+            n_threads_batch=1,
+            n_ctx=1024,
+            n_batch=n_batch,
+            logits_all=True,
+            verbose=False,
+            type_k=kv_type,
+            type_v=kv_type,
+        )
 
     def decode(self, prompt: list[int]) -> float:
         self.llm.reset()
