@@ -672,6 +672,27 @@ def gguf_llama_cpp() -> str:
     )
 
 
+def gguf_agreement() -> str:
+    """docs/performance.md: top-1 agreement with llama.cpp on a trained model's GGUF files
+    (benchmarks/results/gguf_agreement.json)."""
+    data = result("gguf_agreement")
+    rows = [
+        [
+            f["file"].rsplit("-", 1)[-1].removesuffix(".gguf"),
+            num(f["positions"]),
+            f"**{f['top1_agreement']:.2%}**",
+            f"**{f['top1_agreement_f32_kv']:.2%}**",
+            f"{f['top1_agreement_llama_cpp_with_itself']:.2%}",
+        ]
+        for f in data["files"]
+    ]
+    header = ["file", "positions", "ours / llama.cpp (its float16 KV cache)", "ours / llama.cpp with a float32 KV cache"]
+    header += ["llama.cpp / itself one token at a time"]
+    run = f"commit `{data['commit']}`, {data['llama_cpp']}, {data['threads']} thread each, {data['machine']}"
+    folder = "/".join(data["folder"].split("/")[-3:])
+    return table(header, rows) + f"\n\nMeasured by `python -m benchmarks.gguf_agreement --json` ({run}; files of {folder})."
+
+
 def measured_by(data: dict[str, Any], command: str) -> str:
     """The line under a vs_vllm table: the command, and the run's commit, systems, model and machine."""
     ours = f"ours: `{data['ours']}`, " if "ours" in data else ""
@@ -693,6 +714,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "vs-vllm-copy": lambda: vs_vllm_speculation("vs_vllm_copy", "--copy FOLDER "),
     "translator-drafting": translator_drafting,
     "gguf-llama-cpp": gguf_llama_cpp,
+    "gguf-agreement": gguf_agreement,
     "vs-vllm-gguf": lambda: vs_vllm_speculation("vs_vllm_gguf_Q4_1", "--gguf Q4_1 "),
     "serving": serving,
     "front-door": front_door,

@@ -2,8 +2,8 @@
 (a subprocess in the repository), finishes, and writes the figures the docs' tables are made of:
 each table that benchmarks.report renders from a benchmark's JSON renders from the quick run's.
 The full tier (a few minutes in all). Not here: benchmarks.vs_vllm (it installs vLLM in a
-virtualenv of its own), benchmarks.gguf (it builds llama.cpp: tests/model/test_gguf.py checks what
-it loads) and benchmarks.gpu (a GPU; tests/test_gpu_check.py runs its CPU tier)."""
+virtualenv of its own), benchmarks.gguf and benchmarks.gguf_agreement (they build llama.cpp:
+tests/model/test_gguf.py checks what it loads and computes) and benchmarks.gpu (a GPU; tests/test_gpu_check.py runs its CPU tier)."""
 
 import json
 import os
