@@ -266,11 +266,16 @@ def start_cluster(
     return cluster
 
 
+class RayStartError(RuntimeError):
+    """A `ray start` ended before its node came up: Ray gives a raylet 30 s to register with the
+    GCS (ray/_private/node.py, not configurable), which a loaded machine can exceed."""
+
+
 def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, cluster: LocalCluster) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if any(p.poll() is not None for p in cluster.processes):
-            raise RuntimeError(f"`ray start` exited while waiting for {what}: {logs_tail(cluster.directory)}")
+            raise RayStartError(f"`ray start` exited while waiting for {what}: {logs_tail(cluster.directory)}")
         try:
             if ready():
                 return
@@ -285,10 +290,20 @@ def logs_tail(directory: Path, chars: int = 2000) -> str:
     return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-chars:]}" for log in sorted(directory.glob("*.log")))
 
 
+START_ATTEMPTS = 3
+
+
 @contextmanager
 def local_cluster(directory: Path, **options: Any) -> Iterator[LocalCluster]:
-    """`start_cluster`, stopped on exit whatever happens."""
-    cluster = start_cluster(directory, **options)
+    """`start_cluster`, stopped on exit whatever happens; started anew (up to START_ATTEMPTS in all)
+    when a `ray start` ended before its node came up."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            cluster = start_cluster(directory, **options)
+            break
+        except RayStartError:
+            if attempt == START_ATTEMPTS:
+                raise
     try:
         yield cluster
     finally:
