@@ -268,7 +268,8 @@ def start_cluster(
 
 class RayStartError(RuntimeError):
     """A `ray start` ended before its node came up: Ray gives a raylet 30 s to register with the
-    GCS (ray/_private/node.py, not configurable), which a loaded machine can exceed."""
+    GCS (ray/_private/node.py, not configurable), and a raylet exits when one of its agents cannot
+    bind its port (one free_port gave, taken before the agent bound it)."""
 
 
 def wait_until(ready: Callable[[], bool], timeout_s: float, what: str, cluster: LocalCluster) -> None:

@@ -260,25 +260,38 @@ def served_in_thread(app: Any) -> Iterator[str]:
 SERVICE_START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
 
 
+SERVICE_START_ATTEMPTS = 3
+# What Ray raises when a node's raylet never registered: it exits when an agent cannot bind its port.
+RAY_NODE_FAILED = "The current node timed out during startup"
+
+
 @contextmanager
 def python_m_service(models: dict[str, Path], options: tuple[str, ...] = ()) -> Iterator[str]:
     """`python -m service` on these folders or files (name -> path), with further command-line
     options, as a user starts it (its own Ray, one torch thread, on the CPU), until it says it
-    serves every model; yields its URL and stops it."""
-    port = free_port()
-    command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(free_port()), "--device", "cpu"]
-    command += ["--torch-threads", "1", *options, *(arg for name, folder in models.items() for arg in ("--model", f"{name}={folder}"))]
-    environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
-    assert process.stdout is not None
-    lines, deadline = [], time.monotonic() + SERVICE_START_TIMEOUT_S
-    try:
+    serves every model; yields its URL and stops it. Started anew, on other ports, when its Ray
+    node did not come up (RAY_NODE_FAILED: a port free_port gave was taken before Ray bound it)."""
+    for attempt in range(1, SERVICE_START_ATTEMPTS + 1):
+        port = free_port()
+        command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(free_port()), "--device", "cpu"]
+        command += ["--torch-threads", "1", *options, *(arg for name, folder in models.items() for arg in ("--model", f"{name}={folder}"))]
+        environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
+        assert process.stdout is not None
+        lines, deadline, serving = [], time.monotonic() + SERVICE_START_TIMEOUT_S, False
         for line in process.stdout:  # "Serving on" once every model is ready
             lines.append(line)
-            if line.startswith("Serving on"):
+            serving = line.startswith("Serving on")
+            if serving:
                 break
             assert time.monotonic() < deadline, "".join(lines[-30:])
-        assert process.poll() is None, "".join(lines[-30:])
+        if serving:
+            break
+        process.wait(timeout=60)  # its output ended: it exited
+        if RAY_NODE_FAILED not in "".join(lines) or attempt == SERVICE_START_ATTEMPTS:
+            break
+    try:
+        assert serving and process.poll() is None, "".join(lines[-30:])
         # Read on to the end (a pipe nobody reads would block the service once full); kept for the report below.
         threading.Thread(target=lambda: lines.extend(process.stdout or ()), name="service-output", daemon=True).start()
         yield f"http://127.0.0.1:{port}"
