@@ -294,18 +294,20 @@ class ModelDeployment:
         steps: int = 1,
         stall_s: float | None = None,
         release_file: str | None = None,
-        announce_open: tuple[int, str] | None = None,
+        open_counts: str | None = None,
     ) -> str:
         """For fault tests, refused unless the config runs the engine through a FaultInjectingRunner:
         each of the next `steps` engine steps raises ("error"), or first stalls ("stall"): stall_s
         seconds (None: forever, a wedged loop that check_health reports and Serve replaces), or
-        until release_file exists. Given announce_open (count, file), this replica creates the file
-        once it has `count` requests open. Returns this replica's id."""
+        until release_file exists. Given open_counts (a folder), this replica writes the number of
+        requests open here to the file <open_counts>/<its id> after each one arrives, until armed
+        again. Returns this replica's id."""
         if not self.config.fault_injection:
             raise PermissionError("fault injection is off for this deployment")
-        announce = None if announce_open is None else (announce_open[0], Path(announce_open[1]))
-        self.engine.arm_fault(kind, steps, stall_s, Path(release_file) if release_file is not None else None, announce)
-        return str(serve.get_replica_context().replica_id.unique_id)
+        replica = str(serve.get_replica_context().replica_id.unique_id)
+        count_file = None if open_counts is None else Path(open_counts) / replica
+        self.engine.arm_fault(kind, steps, stall_s, Path(release_file) if release_file is not None else None, count_file)
+        return replica
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: the loop died or is wedged in a step."""

@@ -100,36 +100,48 @@ def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 120.0
         time.sleep(interval_s)
 
 
-def hold_next_step(model: ModelServingConfig, release_file: Path, announce_open: tuple[int, Path] | None = None) -> None:
+def hold_next_step(model: ModelServingConfig, release_file: Path, open_counts: Path | None = None) -> None:
     """Arms every replica of the session's `model` so that its engine's next step waits until
-    release_file exists (fault injection, tests only); given announce_open (count, file), a replica
-    creates that file once it has `count` requests open. Create release_file in a `finally`."""
+    release_file exists (fault injection, tests only); given open_counts (a folder), each replica
+    writes its number of open requests there (see open_requests). Create release_file in a `finally`."""
     from ray import serve
 
     handle = serve.get_deployment_handle(model.name, app_name=APP_NAME)
     replicas = model.deployment.get("num_replicas", 1)
+    if open_counts is not None:
+        open_counts.mkdir(parents=True, exist_ok=True)
     armed: set[str] = set()
     for _ in range(100):  # the router picks a replica per call
-        announce = None if announce_open is None else (announce_open[0], str(announce_open[1]))
-        armed.add(handle.inject_fault.remote("stall", 1, None, str(release_file), announce).result())
+        counts = None if open_counts is None else str(open_counts)
+        armed.add(handle.inject_fault.remote("stall", 1, None, str(release_file), counts).result())
         if len(armed) == replicas:
             return
     raise AssertionError(f"armed {len(armed)} of {replicas} replicas of {model.name} in 100 calls")
 
 
+def open_requests(open_counts: Path) -> int:
+    """The requests open on the replicas armed with this open_counts folder (hold_next_step),
+    summed over the replicas' files: read from the files, since Serve's router sends a handle's
+    calls to the replica with the fewest requests, so stats calls may never reach the others."""
+    return sum(int(path.read_text()) for path in open_counts.iterdir() if not path.name.endswith(".tmp"))
+
+
 @contextmanager
 def held_until_open(model: ModelServingConfig, release_file: Path, count: int) -> Iterator[None]:
     """Holds the next step of every replica of the session's `model` (hold_next_step) while the
-    block runs, and releases them once its replicas have `count` requests open between them (their
-    open_streams): requests the block sends are all in the engines before a step after the first
-    runs, so they are batched whatever the machine's speed."""
-    hold_next_step(model, release_file)
-    replicas = model.deployment.get("num_replicas", 1)
+    block runs, and releases them once its replicas have `count` requests open between them
+    (open_requests): requests the block sends are all in the engines before a step after the first
+    runs, so they are batched whatever the machine's speed. Raises after the block if the count
+    was not reached (within a bound on a broken service)."""
+    open_counts = release_file.with_name(release_file.name + ".open")
+    hold_next_step(model, release_file, open_counts)
+    failures: list[BaseException] = []
 
     def release() -> None:
         try:
-            opened = lambda: sum(s["open_streams"] for s in replica_stats(model.name, 10, replicas=replicas).values()) >= count  # noqa: E731
-            wait_until(opened, f"{count} requests open", interval_s=0.01)
+            wait_until(lambda: open_requests(open_counts) >= count, f"{count} requests open", interval_s=0.01)
+        except BaseException as error:  # re-raised by the test's thread
+            failures.append(error)
         finally:
             release_file.touch()
 
@@ -140,6 +152,8 @@ def held_until_open(model: ModelServingConfig, release_file: Path, count: int) -
     finally:
         release_file.touch()
         releaser.join()
+    if failures:
+        raise failures[0]
 
 
 def translations_while_held(service_url: str, body: dict[str, Any], count: int, release_file: Path) -> list[httpx.Response]:
@@ -150,16 +164,16 @@ def translations_while_held(service_url: str, body: dict[str, Any], count: int, 
     before it steps again), whatever the machine's speed. Returns every response, in order."""
     held = TEST_CONFIG.translator.max_requests_held
     assert held is not None and count > held and TEST_CONFIG.translator.deployment.get("num_replicas", 1) == 1
-    opened = release_file.with_name(release_file.name + ".opened")
-    hold_next_step(TEST_CONFIG.translator, release_file, announce_open=(held, opened))
+    open_counts = release_file.with_name(release_file.name + ".open")
+    hold_next_step(TEST_CONFIG.translator, release_file, open_counts)
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=service_url, timeout=300, limits=httpx.Limits(max_connections=count)) as http:
             sent = [asyncio.ensure_future(http.post("/v1/translate", json=body)) for _ in range(count)]
             deadline = time.monotonic() + 300  # a bound on a broken service, not a speed limit
             # While the step is held nothing but the ingress answers: each answer is a refusal.
-            while sum(task.done() for task in sent) < count - held or not opened.exists():
-                assert time.monotonic() < deadline, f"{sum(t.done() for t in sent)} answered, opened: {opened.exists()}"
+            while sum(task.done() for task in sent) < count - held or open_requests(open_counts) < held:
+                assert time.monotonic() < deadline, f"{sum(t.done() for t in sent)} answered, {open_requests(open_counts)} open"
                 await asyncio.sleep(0.01)
             release_file.touch()
             return await asyncio.gather(*sent)

@@ -63,8 +63,8 @@ class AsyncEngine:
         self.last_heartbeat = time.monotonic()  # of the last message from the engine's process
         self._streams: dict[str, Stream] = {}
         self._verdicts: dict[str, Verdict] = {}
-        self._announce_open: tuple[int, Path] | None = None  # fault tests: (open requests, file to create)
-        self._lock = threading.Lock()  # the two maps and _announce_open
+        self._open_count_file: Path | None = None  # fault tests: where the number of open requests is written
+        self._lock = threading.Lock()  # the two maps and _open_count_file (and its writes)
         self._send_lock = threading.Lock()  # the pipe's sending end (never held with the other)
         self._stopping = threading.Event()
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
@@ -114,23 +114,23 @@ class AsyncEngine:
         steps: int = 1,
         stall_s: float | None = None,
         release_file: Path | None = None,
-        announce_open: tuple[int, Path] | None = None,
+        open_count_file: Path | None = None,
     ) -> None:
         """Arms the engine's FaultInjectingRunner (an engine built without one ends its process).
-        Given announce_open (count, file), this AsyncEngine creates the file once `count` requests
-        are open here, after sending the last one's Submit: a step held until then ends with all of
-        them in the engine's pipe, which takes them in before its next step."""
+        Given open_count_file, this AsyncEngine writes the number of requests open here to that file
+        (replaced whole) after sending each Submit, until armed again: a step held until the count
+        is reached ends with all of them in the engine's pipe, which takes them in before its next step."""
         with self._lock:
-            self._announce_open = announce_open
+            self._open_count_file = open_count_file
         self._send(ArmFault(kind, steps, stall_s, release_file))
 
-    def _announce_if_open(self) -> None:
-        with self._lock:
-            announce, streams = self._announce_open, len(self._streams)
-            if announce is None or streams < announce[0]:
+    def _write_open_count(self) -> None:
+        with self._lock:  # held while writing: the file's counts come in the order they were taken
+            if self._open_count_file is None:
                 return
-            self._announce_open = None
-        announce[1].touch()
+            written = self._open_count_file.with_name(self._open_count_file.name + ".tmp")
+            written.write_text(str(len(self._streams)))
+            written.replace(self._open_count_file)
 
     async def submit(self, prompt_ids: list[int], params: GenerationParams, request_id: str | None = None) -> AsyncGenerator[Delta, None]:
         """Sends the request to the engine and returns its delta stream once the engine has queued it
@@ -147,7 +147,7 @@ class AsyncEngine:
             self._streams[request_id] = (deltas, loop)
             self._verdicts[request_id] = (verdict, loop)
         self._send(Submit(request_id, prompt_ids, params, time.monotonic()))
-        self._announce_if_open()
+        self._write_open_count()
         try:
             error = await verdict
         except asyncio.CancelledError:

@@ -196,26 +196,30 @@ def test_full_queue_refuses_at_submit() -> None:
         engine.stop()
 
 
-def test_a_held_step_released_once_its_requests_are_announced_open_takes_them_in_together(tmp_path: Path) -> None:
-    """Armed with announce_open=(3, file), the AsyncEngine creates the file after sending the third
-    open request's Submit: a step released then takes both requests sent while it was held before
-    it steps again, so with one waiting place the third is refused."""
-    release, opened = tmp_path / "release", tmp_path / "opened"
+def test_a_held_step_released_once_its_requests_are_counted_open_takes_them_in_together(tmp_path: Path) -> None:
+    """Armed with an open_count_file, the AsyncEngine writes how many requests are open after
+    sending each Submit: a step released once it reads 3 takes both requests sent while it was
+    held before it steps again, so with one waiting place the third is refused."""
+    release, counted = tmp_path / "release", tmp_path / "open"
     engine = AsyncEngine(functools.partial(faulty_engine, 1, 1))
 
     async def main() -> None:
-        engine.arm_fault("stall", 1, None, release, announce_open=(3, opened))
+        engine.arm_fault("stall", 1, None, release, open_count_file=counted)
         first = await engine.submit([10], GenerationParams(max_tokens=1000))  # its step holds
+        assert counted.read_text() == "1"
         second = asyncio.ensure_future(engine.submit([10], GenerationParams(max_tokens=1000)))
-        await until(lambda: engine.num_streams() == 2)
-        assert not opened.exists()  # two of the three open
+        await until(lambda: counted.read_text() == "2")
         third = asyncio.ensure_future(engine.submit([10], GenerationParams(max_tokens=5)))
-        await until(opened.exists)
+        await until(lambda: counted.read_text() == "3")
         release.touch()
         with pytest.raises(QueueFullError, match="waiting queue holds 1 requests"):
             await asyncio.wait_for(third, 60)  # a bound on a broken engine
         await (await second).aclose()
         await first.aclose()  # type: ignore[attr-defined]
+        engine.arm_fault("stall", 0, None, None)  # armed again, without a file: no more counts
+        await until(lambda: idle(engine))
+        await (await engine.submit([10], GenerationParams(max_tokens=1))).aclose()  # type: ignore[attr-defined]
+        assert counted.read_text() == "3"
 
     try:
         asyncio.run(main())
