@@ -63,7 +63,7 @@ import referencing.exceptions
 from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
 from benchmarks.provenance import commit, machine
-from loadtests.cluster import free_port
+from service.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "hostile.json"

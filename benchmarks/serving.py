@@ -55,11 +55,11 @@ from httpx_sse import aconnect_sse
 
 from benchmarks.provenance import commit
 from decoding.sampling_params import GREEDY
-from loadtests.cluster import free_port
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ServiceConfig
 from service.engine.async_engine import AsyncEngine
 from service.engine.core import EngineSpec
 from service.engine.request import GenerationParams
+from service.ports import free_port
 
 CONCURRENCY = (1, 16, 32)
 MODES = ("inprocess", "stream", "nostream")  # stream, nostream: over HTTP

@@ -58,7 +58,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -71,6 +70,7 @@ from typing import Any
 import httpx
 
 from benchmarks.provenance import commit, machine
+from service.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "runs" / "vs_vllm"
@@ -317,12 +317,6 @@ def build_folder(path: Path, shape: dict[str, Any], description: str) -> Path:
     model.save_pretrained(str(partial))
     partial.rename(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_command(

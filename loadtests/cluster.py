@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import httpx
 import psutil
 
 from service.config import RAY_ENVIRONMENT
+from service.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -37,12 +37,6 @@ APP_NAME = "transformers"
 TRANSLATOR, GENERATOR = "transformer-en-de", "transformer-shakespeare"
 MODEL_DEPLOYMENTS = (TRANSLATOR, GENERATOR)
 STOP_GRACE_S = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,11 @@ from loadtests.cluster import (
     LocalCluster,
     Replica,
     ReplicaCheck,
-    free_port,
     local_cluster,
     replicas_of,
     write_config,
 )
+from service.ports import free_port
 
 CPU_CONFIG = ROOT / "deploy" / "serve_config.yaml"
 # The shipped Prometheus's intervals (5 s; Ray's nodes report every 10 s, so nothing is missed). A

@@ -46,7 +46,6 @@ FILE_TYPE = {Q8_0_X8: Q8_0, Q4_0_X8: Q4_0, Q4_1_X8: Q4_1}
 INTERLEAVED = {file_type: ours for ours, file_type in FILE_TYPE.items()}
 GROUP_ROWS = 8  # the weight rows an interleaved group holds
 BLOCK_BYTES |= {ours: BLOCK_BYTES[file_type] for ours, file_type in FILE_TYPE.items()}
-EIGHT_BIT_ACTIVATIONS = frozenset({Q8_0, Q4_0, Q4_1, *FILE_TYPE})  # the types block_linear_q8 multiplies
 TYPE_NAMES = {Q8_0: "Q8_0", Q4_0: "Q4_0", Q4_1: "Q4_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
 TYPE_NAMES |= {ours: TYPE_NAMES[file_type] + "x8" for ours, file_type in FILE_TYPE.items()}
 # Up to this many rows a call go through the kernel; more dequantize slabs of weight rows for torch's
@@ -144,17 +143,19 @@ def _kernels() -> tuple[Callable[..., int], Callable[..., int]] | None:
 
 
 @functools.cache
-def _q8_kernels() -> tuple[Callable[..., None], Callable[..., int]] | None:
-    """The C kernels quantize_rows_q8 and block_linear_q8 (8-bit activations), or None where they
-    are not built here (no x86 AVX2, or the kernels off)."""
+def _q8_kernels() -> tuple[Callable[..., None], Callable[..., int], Callable[[int], int]] | None:
+    """The C kernels quantize_rows_q8 and block_linear_q8 (8-bit activations) and
+    block_linear_q8_reads (whether the second multiplies a type here: the interleaved types need
+    AVX-512 VNNI), or None where they are not built here (no x86 AVX2, or the kernels off)."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     available = cpu_kernels.load_function("block_linear_q8_available", ctypes.c_int, [])
     if available is None or not available():
         return None
     quantize_rows = cpu_kernels.load_function("quantize_rows_q8", None, [pointer, size, size, pointer, pointer, pointer, size])
     linear = cpu_kernels.load_function("block_linear_q8", ctypes.c_int, [pointer] * 6 + [size] * 4)
-    assert quantize_rows is not None and linear is not None
-    return quantize_rows, linear
+    reads = cpu_kernels.load_function("block_linear_q8_reads", ctypes.c_int, [size])
+    assert quantize_rows is not None and linear is not None and reads is not None
+    return quantize_rows, linear, reads
 
 
 def _kernels_built() -> bool:
@@ -199,7 +200,8 @@ def dequantize_rows(blocks: Tensor, ggml_type: int, in_features: int, ids: Tenso
     dst = torch.empty(n, in_features) if out is None else out
     if dst.shape != (n, in_features) or dst.dtype != torch.float32 or not dst.is_contiguous():
         raise ValueError(f"dequantize_rows: out ({n}, {in_features}) contiguous float32")
-    kernels[1](blocks.data_ptr(), None if ids is None else ids.data_ptr(), n, in_features, ggml_type, dst.data_ptr())
+    failed = kernels[1](blocks.data_ptr(), None if ids is None else ids.data_ptr(), n, in_features, ggml_type, dst.data_ptr())
+    assert not failed, f"block_rows refused type {ggml_type} that _check accepts"
     return dst
 
 
@@ -226,8 +228,9 @@ def block_product(
 ) -> Tensor:
     """rows (N, in) float32 times the weight in blocks (out_features, row_bytes), plus bias: (N, out_features).
     activation_bits 32: up to kernel_rows rows by the C kernel, more (and an interleaved type's rows)
-    through slabs of dequantized rows and torch's GEMM. 8 (where q8_available()): the rows quantized
-    to 8 bits in blocks of 32, every row by integer dot products (llama.cpp's way); elsewhere as 32.
+    through slabs of dequantized rows and torch's GEMM. 8 (where q8_available() and its kernel reads
+    the type here: an interleaved type needs AVX-512 VNNI): the rows quantized to 8 bits in blocks of
+    32, every row by integer dot products (llama.cpp's way); elsewhere as 32.
     operators.cpp's block_linear kernel equals this."""
     n, in_features = rows.shape
     _check(blocks, ggml_type, in_features)
@@ -238,13 +241,13 @@ def block_product(
     rows = rows.contiguous()
     bias = None if bias is None else bias.contiguous()
     bias_pointer = None if bias is None else bias.data_ptr()
-    q8 = _q8_kernels() if activation_bits == 8 and ggml_type in EIGHT_BIT_ACTIVATIONS else None
-    if q8 is not None:
+    q8 = _q8_kernels() if activation_bits == 8 else None
+    if q8 is not None and q8[2](ggml_type):
         quantized = torch.empty(n, in_features, dtype=torch.int8)
         scales = torch.empty(2, n, in_features // BLOCK)  # each block's scale, and scale x sum of its values
         q8[0](rows.data_ptr(), n, in_features, quantized.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr(), ggml_type)
         y = rows.new_empty(n, out_features)
-        q8[1](
+        failed = q8[1](
             quantized.data_ptr(),
             scales[0].data_ptr(),
             scales[1].data_ptr(),
@@ -256,6 +259,7 @@ def block_product(
             out_features,
             ggml_type,
         )
+        assert not failed, f"block_linear_q8 refused type {ggml_type} that block_linear_q8_reads accepts"
         return y
     if n > kernel_rows or ggml_type in FILE_TYPE:
         slab = max(GROUP_ROWS, SLAB_FLOATS // in_features // GROUP_ROWS * GROUP_ROWS)  # whole groups
@@ -267,7 +271,8 @@ def block_product(
         y = torch.cat(pieces, dim=1)  # (N, out)
         return y if bias is None else y + bias
     y = rows.new_empty(n, out_features)
-    kernels[0](rows.data_ptr(), blocks.data_ptr(), bias_pointer, y.data_ptr(), n, in_features, out_features, ggml_type)
+    failed = kernels[0](rows.data_ptr(), blocks.data_ptr(), bias_pointer, y.data_ptr(), n, in_features, out_features, ggml_type)
+    assert not failed, f"block_linear refused type {ggml_type} that _check accepts"
     return y
 
 

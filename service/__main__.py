@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 import urllib.request
@@ -30,6 +29,7 @@ from pydantic import ValidationError
 from model.config import Quantization
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig, parse_batch_sizes
+from service.ports import free_port
 
 API_KEYS_ENV = "SERVING_API_KEYS"  # not a flag: a process's arguments are visible to every user
 # Decode steps of up to 64 rows compiled where that measures faster (1.07-1.31x a step on SmolLM2-135M's
@@ -105,13 +105,6 @@ def direct_ingress_environment(port: int) -> dict[str, str]:
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive: the one ingress replica gets exactly this port
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",  # no external load balancer to leave: stop as the proxy would
     }
-
-
-def free_port(host: str) -> int:
-    """A port nothing listens on now, on host (for Serve's proxy)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def batch_sizes(text: str) -> tuple[int, ...]:

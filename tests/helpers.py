@@ -22,10 +22,10 @@ from httpx_sse import aconnect_sse, connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR
-from loadtests.cluster import free_port
 from service.api.backend import Backends, ModelBackend
 from service.config import ModelServingConfig, ServiceConfig
 from service.engine.config import EngineConfig
+from service.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

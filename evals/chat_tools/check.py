@@ -13,7 +13,6 @@ request and what came back, and stops the service.
 import argparse
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 from openai import OpenAI
 
 from evals.chat_tools.corpus import TOOLS
+from service.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 JSON_ASK = "Give me Paris as JSON with name, country and population."
@@ -46,12 +46,6 @@ def city_format(additional: bool | None) -> dict[str, Any]:
     """response_format json_schema of CITY_SCHEMA; its additionalProperties set unless None."""
     schema = CITY_SCHEMA | ({} if additional is None else {"additionalProperties": additional})
     return {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve(model: Path, port: int, log: Path, timeout_s: float = 600) -> subprocess.Popen[bytes]:

@@ -31,7 +31,6 @@ from loadtests.cluster import (
     LocalCluster,
     Replica,
     ReplicaCheck,
-    free_port,
     local_cluster,
     replicas_of,
     session_members,
@@ -48,6 +47,7 @@ from loadtests.scaling import (
     run_scenario,
     summary,
 )
+from service.ports import free_port
 from tests.helpers import assert_serves
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "serving.json"

@@ -22,13 +22,13 @@ from loadtests.cluster import (
     LocalCluster,
     Replica,
     ReplicaCheck,
-    free_port,
     local_cluster,
     replicas_of,
     write_config,
 )
 from loadtests.scaling import Load, Result, Scenario, Timeline, cluster_config, run_scenario
 from service.metrics import RETRY_OUTCOMES
+from service.ports import free_port
 from tests.helpers import assert_serves, scrape
 
 SERVED_AGAIN_WITHIN_S = 10.0  # the bound: from the kill, every new request is served

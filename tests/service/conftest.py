@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtests.cluster import free_port
+from service.ports import free_port
 from tests.helpers import APP_NAME, TEST_CONFIG
 
 SESSION: dict[str, str] = {}  # what the running session exposes besides its URL

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from loadtests.cluster import free_port
+from service.ports import free_port
 from tests.helpers import TEST_CONFIG, astream_data, held_until_open, leave_stream, replica_stats, scrape, translations_while_held
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from decoding.translate import max_new_tokens_for
-from loadtests.cluster import free_port
 from model.paths import DEFAULT_TRANSLATOR
+from service.ports import free_port
 from tests.hf_folders import build_gpt_neox_folder, build_llama_folder, build_marian_folder
 from training.data import SHARED_DATA, read_lines
 
