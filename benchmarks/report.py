@@ -235,9 +235,10 @@ def engine_concurrency() -> str:
     )
 
 
-def peers() -> str:
-    """docs/performance.md: ours, ours int8, transformers and CTranslate2 on the four works."""
-    data = result("peers")
+def peers(name: str = "peers") -> str:
+    """docs/performance.md: ours, ours int8, transformers and CTranslate2 on the four works
+    (benchmarks/results/<name>.json)."""
+    data = result(name)
     rows = []
     for work, label in WORKS.items():
         unit = "sentences_per_s" if work.startswith("translate") else "tokens_per_s"
@@ -569,10 +570,11 @@ def vs_vllm() -> str:
     return table(header, rows) + measured_by(data, "python -m benchmarks.vs_vllm --json")
 
 
-def vs_vllm_tiny() -> str:
+def vs_vllm_tiny(name: str = "vs_vllm_tiny") -> str:
     """docs/performance.md: ours against vLLM's CPU build on the tiny Llama, where the engine's own
-    cost shows: throughput, TTFT and ITL, and our engine step's time per sequence."""
-    data = result("vs_vllm_tiny")
+    cost shows: throughput, TTFT and ITL, and our engine step's time per sequence
+    (benchmarks/results/<name>.json)."""
+    data = result(name)
     rows = []
     for scenario in data["scenarios"].values():
         figures, ratios = scenario["figures"], scenario["ratios"]
@@ -643,9 +645,10 @@ def translator_drafting() -> str:
 AGREEMENTS = ("top1_agreement", "top1_agreement_float_activations", "top1_agreement_llama_cpp_with_itself")
 
 
-def gguf_llama_cpp() -> str:
-    """docs/performance.md: GGUF files served by ours and by llama.cpp, one thread each."""
-    data = result("gguf_llama_cpp")
+def gguf_llama_cpp(name: str = "gguf_llama_cpp") -> str:
+    """docs/performance.md: GGUF files served by ours and by llama.cpp, one thread each
+    (benchmarks/results/<name>.json)."""
+    data = result(name)
     rows = []
     for f in data["files"]:
         rows.append(
@@ -706,14 +709,17 @@ REPORTS: dict[str, Callable[[], str]] = {
     "engine": engine,
     "engine-concurrency": engine_concurrency,
     "peers": peers,
+    "peers-avx2": lambda: peers("peers_avx2"),
     "peers-targets": peers_targets,
     "peers-history": peers_history,
     "vs-vllm": vs_vllm,
     "vs-vllm-tiny": vs_vllm_tiny,
+    "vs-vllm-tiny-avx2": lambda: vs_vllm_tiny("vs_vllm_tiny_avx2"),
     "vs-vllm-speculation": vs_vllm_speculation,
     "vs-vllm-copy": lambda: vs_vllm_speculation("vs_vllm_copy", "--copy FOLDER "),
     "translator-drafting": translator_drafting,
     "gguf-llama-cpp": gguf_llama_cpp,
+    "gguf-llama-cpp-avx2": lambda: gguf_llama_cpp("gguf_llama_cpp_avx2"),
     "gguf-agreement": gguf_agreement,
     "vs-vllm-gguf": lambda: vs_vllm_speculation("vs_vllm_gguf_Q4_1", "--gguf Q4_1 "),
     "serving": serving,

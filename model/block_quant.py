@@ -9,7 +9,7 @@ and the k-quants of Q4_K_M-style files (Q4_K, Q5_K, Q6_K: super-blocks of 256 we
 or 16s have scales of their own, 4.5 / 5.5 / 6.6 bits a weight; multiplied with float32 activations).
 (a 4-bit block's byte j holds weight j in its low half, weight j + 16 in its high half). A weight
 (out, in) is a uint8 tensor (out, in / 32 * block bytes): the file's bytes, read as they are; or,
-with 8-bit activations on a CPU with AVX-512 VNNI (set_activation_bits), the same bytes interleaved
+with 8-bit activations on a CPU with AVX2 or AVX-512 VNNI (set_activation_bits), the same bytes interleaved
 by groups of 8 rows (Q8_0_X8, Q4_0_X8, Q4_1_X8: `interleave`), as llama.cpp repacks its Q4_0, so
 that one vector instruction multiplies a block of 8 rows at once and a decode step reads its weights
 at about the memory's speed.
@@ -145,8 +145,8 @@ def _kernels() -> tuple[Callable[..., int], Callable[..., int]] | None:
 @functools.cache
 def _q8_kernels() -> tuple[Callable[..., None], Callable[..., int], Callable[[int], int]] | None:
     """The C kernels quantize_rows_q8 and block_linear_q8 (8-bit activations) and
-    block_linear_q8_reads (whether the second multiplies a type here: the interleaved types need
-    AVX-512 VNNI), or None where they are not built here (no x86 AVX2, or the kernels off)."""
+    block_linear_q8_reads (whether the second multiplies a type in this build), or None where they
+    are not built here (no x86 AVX2, or the kernels off)."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     available = cpu_kernels.load_function("block_linear_q8_available", ctypes.c_int, [])
     if available is None or not available():
@@ -229,8 +229,8 @@ def block_product(
     """rows (N, in) float32 times the weight in blocks (out_features, row_bytes), plus bias: (N, out_features).
     activation_bits 32: up to kernel_rows rows by the C kernel, more (and an interleaved type's rows)
     through slabs of dequantized rows and torch's GEMM. 8 (where q8_available() and its kernel reads
-    the type here: an interleaved type needs AVX-512 VNNI): the rows quantized to 8 bits in blocks of
-    32, every row by integer dot products (llama.cpp's way); elsewhere as 32.
+    the type here): the rows quantized to 8 bits in blocks of 32, every row by integer dot products
+    (llama.cpp's way); elsewhere as 32.
     operators.cpp's block_linear kernel equals this."""
     n, in_features = rows.shape
     _check(blocks, ggml_type, in_features)
@@ -342,7 +342,7 @@ def q8_available() -> bool:
 
 @functools.cache
 def interleaved_available() -> bool:
-    """The interleaved types' kernels are built here (x86 with AVX-512 VNNI)."""
+    """The interleaved types' kernels are built here (x86 with AVX2, or AVX-512 with VNNI)."""
     available = cpu_kernels.load_function("block_linear_x8_available", ctypes.c_int, [])
     return available is not None and bool(available())
 

@@ -512,10 +512,13 @@ void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, floa
  * has (row, 4 granules), each vector's low and high nibbles then two vectors of weights. Either way,
  * 4 vectors whose 32-bit lane l holds 4 weights of row l % 8, and vpdpbusd sums them against the
  * activation block's matching 4 bytes: 8 rows' dot products at once, in lanes, with no horizontal
- * sum. AVX-512 with VNNI only (block_linear_x8_available). */
+ * sum. AVX-512 with VNNI, or AVX2 (each 32 bytes of a block, one vector: 8 rows' 4 weights in its
+ * 8 lanes, against one broadcast activation dword): block_linear_x8_available. Both compute each
+ * row's integer sums exactly and then the same float operations, so they give the same outputs. */
+#define GROUP_ROWS 8
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define X8_AVAILABLE 1
-#define GROUP_ROWS 8
+#define X8_ROWS 8 /* activation rows a group's weights are read for at once */
 
 /* The activation dwords (4 bytes of a block) each weight vector's lanes 0-7 and 8-15 meet: Q8_0's
  * vector k holds granules 2k and 2k + 1; a 4-bit type's holds weights 0-3 and 4-7 (A's low nibbles),
@@ -549,7 +552,7 @@ static inline __attribute__((always_inline)) void x8_group(int R, int type, cons
                                                            int64_t out, int64_t o) {
     const int64_t blocks = in / BLOCK, size = GROUP_ROWS * block_bytes(type), weights = type == GGML_Q8_0 ? 256 : 128;
     const __m512i low = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
-    __m256 acc[GROUP_ROWS], mins[GROUP_ROWS];
+    __m256 acc[X8_ROWS], mins[X8_ROWS];
     for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *block = group + b * size;
@@ -583,22 +586,96 @@ static inline __attribute__((always_inline)) void x8_group(int R, int type, cons
     }
 }
 
+#elif defined(__AVX2__)
+#define X8_AVAILABLE 1
+#define X8_ROWS 4 /* 16 vector registers: 4 rows' sums, accumulators and mins */
+
+/* The 4 activation bytes at p, in every 32-bit lane. */
+static inline __m256i broadcast_dword(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof(v));
+    return _mm256_set1_epi32(v);
+}
+
+/* 8 int32 lanes: lane l the sum of its 4 products of unsigned u and signed s bytes (|u s| pair sums
+ * fit int16 for the weights here: Q8_0's |w| <= 128 against |x| <= 127, nibbles <= 15). */
+static inline __m256i lane_dots(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)); }
+
+/* The block's 8 rows' exact integer dot products with R activation blocks (xq + r in + b BLOCK) into
+ * dots[r]: Q8_0's signed weights by |w| against x signed as w (x with w's sign), the 4-bit types'
+ * unsigned nibbles against x. */
+static inline __attribute__((always_inline)) void x8_block_dots(int R, int type, const uint8_t *block, const int8_t *xb, int64_t in,
+                                                                __m256i *dots) {
+    for (int r = 0; r < R; r++) dots[r] = _mm256_setzero_si256();
+    if (type == GGML_Q8_0) {
+        for (int g = 0; g < 8; g++) { /* granule g: weights 4g..4g+3 of the 8 rows */
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(block + 32 * g)), u = _mm256_sign_epi8(w, w);
+            for (int r = 0; r < R; r++)
+                dots[r] = _mm256_add_epi32(dots[r], lane_dots(u, _mm256_sign_epi8(broadcast_dword(xb + r * in + 4 * g), w)));
+        }
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int j = 0; j < 4; j++) { /* nibble bytes 4j..4j+3: weights 4j.. (low) and 16 + 4j.. (high) */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(block + 32 * j));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xb + r * in;
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast_dword(x + 4 * j)),
+                                                   _mm256_maddubs_epi16(hi, broadcast_dword(x + 16 + 4 * j)));
+            dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+        }
+    }
+}
+
+/* x8_group as the AVX-512 kernel's (its contract), for R <= X8_ROWS rows. */
+static inline __attribute__((always_inline)) void x8_group(int R, int type, const int8_t *xq, const float *xd, const float *xs,
+                                                           const uint8_t *group, const float *bias, float *y, int64_t in,
+                                                           int64_t out, int64_t o) {
+    const int64_t blocks = in / BLOCK, size = GROUP_ROWS * block_bytes(type), weights = type == GGML_Q8_0 ? 256 : 128;
+    __m256 acc[X8_ROWS], mins[X8_ROWS];
+    __m256i dots[X8_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = group + b * size;
+        x8_block_dots(R, type, block, xq + b * BLOCK, in, dots);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + weights)));
+        const __m256 m = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(block + weights + 16)))
+                                           : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * blocks + b])), acc[r]);
+            if (type != GGML_Q8_0) mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * blocks + b]), mins[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 sum = _mm256_add_ps(acc[r], mins[r]);
+        if (bias != NULL) sum = _mm256_add_ps(sum, _mm256_loadu_ps(bias + o));
+        _mm256_storeu_ps(y + r * out + o, sum);
+    }
+}
+#else
+#define X8_AVAILABLE 0
+#endif
+
+#if X8_AVAILABLE
 static inline __attribute__((always_inline)) void x8_typed_linear(int type, const int8_t *xq, const float *xd, const float *xs,
                                                                   const uint8_t *w, const float *bias, float *y, int64_t rows,
                                                                   int64_t in, int64_t out) {
     const int64_t group_size = GROUP_ROWS * row_bytes_of(type, in), blocks = in / BLOCK;
     for (int64_t o = 0; o < out; o += GROUP_ROWS)
-        for (int64_t r = 0; r < rows; r += GROUP_ROWS) {
-            const int64_t n = rows - r < GROUP_ROWS ? rows - r : GROUP_ROWS;
+        for (int64_t r = 0; r < rows; r += X8_ROWS) {
+            const int64_t n = rows - r < X8_ROWS ? rows - r : X8_ROWS;
             const int8_t *xr = xq + r * in;
             const float *dr = xd + r * blocks, *sr = xs + r * blocks;
             const uint8_t *g = w + o / GROUP_ROWS * group_size;
             float *yr = y + r * out;
             switch (n) {
+#if X8_ROWS == 8
             case 8: x8_group(8, type, xr, dr, sr, g, bias, yr, in, out, o); break;
             case 7: x8_group(7, type, xr, dr, sr, g, bias, yr, in, out, o); break;
             case 6: x8_group(6, type, xr, dr, sr, g, bias, yr, in, out, o); break;
             case 5: x8_group(5, type, xr, dr, sr, g, bias, yr, in, out, o); break;
+#endif
             case 4: x8_group(4, type, xr, dr, sr, g, bias, yr, in, out, o); break;
             case 3: x8_group(3, type, xr, dr, sr, g, bias, yr, in, out, o); break;
             case 2: x8_group(2, type, xr, dr, sr, g, bias, yr, in, out, o); break;
@@ -606,14 +683,12 @@ static inline __attribute__((always_inline)) void x8_typed_linear(int type, cons
             }
         }
 }
-#else
-#define X8_AVAILABLE 0
 #endif
 
 /* The weight rows an interleaved type's group holds (8), 1 for the file's types. */
 int block_group_rows(int64_t type) { return file_type(type) != type ? 8 : 1; }
 
-/* Whether the interleaved types' kernels are built here (AVX-512 with VNNI). */
+/* Whether the interleaved types' kernels are built here (AVX2, or AVX-512 with VNNI). */
 int block_linear_x8_available(void) { return X8_AVAILABLE; }
 
 /* block_linear_q8 for W (out, a multiple of 8) of an interleaved type. Returns 0, or -1 for another

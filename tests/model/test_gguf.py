@@ -193,7 +193,7 @@ def test_interleaved_blocks_hold_the_files_bytes_and_compute_what_they_do(ggml_t
     with pytest.raises(ValueError, match="in groups of 8"):
         block_product(torch.randn(1, 96), interleaved[:196], None, 196, ours, 8)
     if not block_quant.interleaved_available():
-        pytest.skip("no interleaved kernels on this CPU (AVX-512 VNNI)")
+        pytest.skip("no interleaved kernels on this CPU (AVX2 or AVX-512 VNNI)")
     for rows in [1, 2, 3, 7, 8, 9, 16, 17]:
         x = torch.randn(rows, 96)
         got = block_product(x, interleaved, bias, 200, ours, 8)
