@@ -56,10 +56,13 @@ REQUEST_TIMEOUT_S = 120.0
 GENERATOR_REPLICAS = f'count(max by (replica) (ray_serve_deployment_replica_healthy{{deployment="{GENERATOR}"}}) == 1)'
 
 
-def cluster_config(port: int, base: Path = CPU_CONFIG, models: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+def cluster_config(
+    port: int, base: Path = CPU_CONFIG, models: Mapping[str, Mapping[str, Any]] | None = None, compiled_decode: str | None = None
+) -> dict[str, Any]:
     """`base` (a Serve config file) served on 127.0.0.1:`port`, its translator and generator
     under test (MODEL_DEPLOYMENTS; the second language pair would only share the 2 cores), with
-    CLUSTER_AUTOSCALING and, per model (by its name), these ModelServingConfig fields replaced."""
+    CLUSTER_AUTOSCALING and, per model (by its name), these ModelServingConfig fields replaced;
+    `compiled_decode` (e.g. "none") replaces every model's engine.compiled_decode after them."""
     config: dict[str, Any] = yaml.safe_load(base.read_text())
     config["http_options"].update({"host": "127.0.0.1", "port": port})
     args = config["applications"][0]["args"]
@@ -68,6 +71,8 @@ def cluster_config(port: int, base: Path = CPU_CONFIG, models: Mapping[str, Mapp
         if isinstance(model["deployment"].get("autoscaling_config"), dict):
             model["deployment"]["autoscaling_config"].update(CLUSTER_AUTOSCALING)
         model.update((models or {}).get(model["name"], {}))
+        if compiled_decode is not None:
+            model["engine"] = {**model.get("engine", {}), "compiled_decode": compiled_decode}
     return config
 
 

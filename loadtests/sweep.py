@@ -10,7 +10,10 @@ load alone. By default users do not pause between requests: each user is one req
 and the generator users of a step are its concurrent streams. Per step:
 
 - requests/s (HTTP requests of all routes, 429/503 excluded) and rejected/s (429/503), over the step's
-  nominal length; translation requests/s alone for the translation curve;
+  nominal length; translation requests/s alone for the translation curve. A request still in flight
+  when the step ends is waited for (Locust's `--stop-timeout`, the locustfile's request timeout) and
+  counted: the slowest requests stay in the percentiles, and a step shorter than one request still
+  measures it;
 - generated tokens/s: client side from the streams' usage (`stream` row: count x mean tokens), and
   server side from the delta of `ray_serving_generation_tokens_total{model=transformer-shakespeare}`;
 - p50/p95/p99 of TTFT, ITL (one sample per gap between text frames) and single-sentence
@@ -52,6 +55,7 @@ ROUTE_ROWS = {
     "stream": STREAM,
 }
 KNEE_FACTOR = 3.0
+DRAIN_SECONDS = 120  # loadtests/locustfile.py's TIMEOUT_S: no request outlives it
 KNEE_KEYS = (
     "baseline_users", "baseline_ttft_p99_ms", "knee_users", "knee_ttft_p99_ms", "below_knee_users", "below_knee_batch",
     "below_knee_tokens_per_step",
@@ -121,9 +125,9 @@ def run_locust(
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
         "-u", str(users), "-r", str(users), "-t", f"{seconds}s", "--host", host, "--csv", str(prefix),
         "--ttft-p95-ms", "1e12", "--max-fail-ratio", "1", "--think-max-seconds", str(think_max_seconds),
-        "--config-users", json.dumps(weights),
+        "--config-users", json.dumps(weights), "--stop-timeout", str(DRAIN_SECONDS),
     ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + DRAIN_SECONDS + 60, check=False)
 
 
 def summarize(users: int, seconds: int, rc: int, stats: dict[tuple[str, str], dict[str, str]], delta: dict[str, float]) -> dict[str, Any]:

@@ -196,6 +196,9 @@ class Ingress:
         backends = Backends(dict(models), {name: b.load for name, b in models.items()})
         # Serve's logger: the access lines land in this replica's log file with Serve's request context.
         self.api = create_api(config, backends, self.count_failure, logging.getLogger("ray.serve"))
+        # FastAPI builds the schema on the first /openapi.json, in the event loop every stream shares
+        # (about a second on a 2-core machine): built here, before the replica takes traffic.
+        self.api.openapi()
 
     def count_failure(self, path: str, reason: str) -> None:
         """Requests refused by the ingress itself (validation, keys, admission), before a model was

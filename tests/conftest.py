@@ -47,7 +47,6 @@ FULL_TIER = {
     "tests/model/test_kernels_asan.py": "the C kernels built with AddressSanitizer and their tests run under it",
     "tests/model/test_quantize.py::test_int8_translator_keeps_greedy_bleu_within": "BLEU on test_2016 twice (25 s)",
     "tests/model/test_quantize.py::test_int8_generator_keeps_nats_per_char_within": "the validation split twice (1 minute)",
-    "tests/model/test_export.py::test_peers_benchmark_translates_alike_in_every_system": "exports and runs every peer system (1 minute)",
 }
 
 

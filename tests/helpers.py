@@ -275,6 +275,10 @@ SERVICE_START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
 
 
 SERVICE_START_ATTEMPTS = 3
+# Decode steps eager unless a test's options say otherwise: by default every model compiles 7
+# buckets in the background while it serves, CPU the tests beside it wait for (the compiled step
+# has tests of its own: tests/engine/test_compiled_decode.py, test_compile_cache.py).
+EAGER = ("--compiled-decode", "none")
 # What Ray raises when a node's raylet never registered: it exits when an agent cannot bind its port.
 RAY_NODE_FAILED = "The current node timed out during startup"
 
@@ -288,7 +292,8 @@ def python_m_service(models: dict[str, Path], options: tuple[str, ...] = ()) -> 
     for attempt in range(1, SERVICE_START_ATTEMPTS + 1):
         port = free_port()
         command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(free_port()), "--device", "cpu"]
-        command += ["--torch-threads", "1", *options, *(arg for name, folder in models.items() for arg in ("--model", f"{name}={folder}"))]
+        command += ["--torch-threads", "1", *EAGER, *options]
+        command += [arg for name, folder in models.items() for arg in ("--model", f"{name}={folder}")]
         environment = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
         assert process.stdout is not None

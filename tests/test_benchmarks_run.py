@@ -86,6 +86,13 @@ def test_peers_quick_on_the_shipped_checkpoints(tmp_path: Path, monkeypatch: pyt
         assert figures[f"{work}_tokens_{peers.COMPILED}"] == figures[f"{work}_tokens_ours"]
     for work in report.WORKS:  # the compiled decode step, in translation at up to 8 rows
         assert figures[f"{work}_compiled_vs_ct2_float32"] > 0 and figures[f"{work}_start_seconds_{peers.COMPILED}"] > 0
+        # Every system is fed the same inputs: the float32 ones make exactly our outputs.
+        for system in ("transformers", "ct2_float32", peers.COMPILED):
+            assert figures[f"{work}_same_as_ours_{system}"] == 1.0, (work, system)
+    for work in ("translate_greedy", "translate_beam4"):
+        assert figures[f"{work}_bleu_ours"] == figures[f"{work}_bleu_transformers"] > 0
+        ours, ct2 = figures[f"{work}_sentences_per_s_ours"], figures[f"{work}_sentences_per_s_ct2_float32"]
+        assert figures[f"{work}_vs_ct2_float32"] == ours / ct2
     rendered(monkeypatch, tmp_path, "peers", "peers-targets")
 
 
@@ -209,7 +216,7 @@ def test_training_speed_quick_times_every_setting(model: str, tmp_path: Path, mo
             "--steps",
             "2",
             "--batch-size",
-            "2",
+            "1",
             "--json",
             str(tmp_path / "training_speed.json"),
         )

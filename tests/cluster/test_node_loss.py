@@ -41,7 +41,7 @@ def cluster() -> Iterator[tuple[LocalCluster, str]]:
     try:
         with local_cluster(directory / "cluster", num_cpus=4) as cluster:
             port = free_port()
-            config = cluster_config(port)
+            config = cluster_config(port, compiled_decode="none")  # as test_cluster.py's EAGER: no compile beside the load
             config["proxy_location"] = "HeadOnly"
             args = config["applications"][0]["args"]
             args["ingress_actor_options"] = {"resources": {"head": 0.01}}

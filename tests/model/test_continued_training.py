@@ -99,9 +99,9 @@ def test_resume_continues_the_run_and_refuses_other_init_from_weights(data: Path
 
 
 def resumable_job(model: str, data: Path, out: Path) -> Job:
-    """20 steps from the shipped weights (dropout on), validated every 5 and saved every 3."""
+    """12 steps from the shipped weights (dropout on), validated every 4 and saved every 3."""
     shipped = DEFAULT_TRANSLATOR if model == "translator" else DEFAULT_GENERATOR
-    argv = [model, "--init-from", str(shipped), "--data", str(data), "--out", str(out), "--max-steps", "20", "--eval-every", "5"]
+    argv = [model, "--init-from", str(shipped), "--data", str(data), "--out", str(out), "--max-steps", "12", "--eval-every", "4"]
     argv += ["--save-every", "3", "--schedule", "cosine", "--lr", "3e-4", "--warmup", "4"]
     argv += ["--batch-tokens", "60"] if model == "translator" else ["--batch-size", "2"]
     return (translator_job if model == "translator" else generator_job)(parse_args(argv))
@@ -111,34 +111,34 @@ def resumable_job(model: str, data: Path, out: Path) -> Job:
 def test_a_run_stopped_by_sigterm_and_resumed_equals_the_run_straight_through(model: str, data: Path, tmp_path: Path) -> None:
     straight = resumable_job(model, data, tmp_path / "straight")
     straight.run()
-    assert straight.trainer.step == 20
+    assert straight.trainer.step == 12
     straight_rng = torch.get_rng_state()
 
     stopped = resumable_job(model, data, tmp_path / "stopped")
     loss_of = stopped.loss_of
 
-    def loss_with_a_sigterm_in_step_10(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
-        if stopped.trainer.step == 9:
+    def loss_with_a_sigterm_in_step_7(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, int]:
+        if stopped.trainer.step == 6:  # in step 7: between two saves (every 3) and two validations (every 4)
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled by the trainer's handler
         return loss_of(batch)
 
-    stopped.loss_of = loss_with_a_sigterm_in_step_10
+    stopped.loss_of = loss_with_a_sigterm_in_step_7
     callers = signal.getsignal(signal.SIGTERM)
     stopped.run()
-    assert stopped.trainer.step == 10  # the step under way finished, then the run stopped
+    assert stopped.trainer.step == 7  # the step under way finished, then the run stopped
     assert signal.getsignal(signal.SIGTERM) is callers  # the handler is the caller's again
 
     args = parse_args(["--resume", str(tmp_path / "stopped"), "--minutes", "30"])
-    assert args.max_steps == 20 and args.save_every == 3 and args.minutes == 30
+    assert args.max_steps == 12 and args.save_every == 3 and args.minutes == 30
     resumed = (translator_job if model == "translator" else generator_job)(args)
-    assert resumed.trainer.step == 10
+    assert resumed.trainer.step == 7
     resumed.run()
-    assert resumed.trainer.step == 20
+    assert resumed.trainer.step == 12
 
     assert resumed.trainer.history == [
         {**h, "minutes": resumed.trainer.history[i]["minutes"]} for i, h in enumerate(straight.trainer.history)
     ]
-    assert [h["step"] for h in straight.trainer.history] == [5, 10, 15, 20]
+    assert [h["step"] for h in straight.trainer.history] == [4, 8, 12]
     for name, tensor in straight.trainer.model.state_dict().items():
         assert torch.equal(resumed.trainer.model.state_dict()[name], tensor), name
     straight_moments, resumed_moments = straight.trainer.optimizer.state_dict()["state"], resumed.trainer.optimizer.state_dict()["state"]

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 from decoding.translate import max_new_tokens_for
 from model.paths import DEFAULT_TRANSLATOR
 from service.ports import free_port
+from tests.helpers import EAGER
 from tests.hf_folders import build_gpt_neox_folder, build_llama_folder, build_marian_folder
 from training.data import SHARED_DATA, read_lines
 
@@ -45,6 +46,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-m", "service", "--port", str(port), "--metrics-port", str(metrics_port), "--device", "cpu"]
     command += [
+        *EAGER,
         "--torch-threads",
         "1",
         "--model",
