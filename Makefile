@@ -1,13 +1,14 @@
 # make install: .venv with everything; make serve: the service.
 # make test: lint, types and the quick tier (every test not marked slow: unit, API, engine, one real
 # Serve app); make test-all: lint, types and every test (soak, overload, faults, fuzzing, Locust,
-# the cluster, Prometheus, the browser). Both print the 15 slowest tests.
+# the cluster, Prometheus, the browser) but the four benchmark runs of make test-benchmarks. All
+# print the 15 slowest tests.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all lint typecheck serve
+.PHONY: install test test-all test-benchmarks lint typecheck serve
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -28,10 +29,14 @@ typecheck: $(STAMP)
 PYTEST := $(BIN)/python -m pytest -q --durations=15 -n 2
 
 test: lint typecheck
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow and not benchmarks"
 
 test-all: lint typecheck
-	$(PYTEST)
+	$(PYTEST) -m "not benchmarks"
+
+# The benchmark commands whose quickest form takes minutes (tests/conftest.py BENCHMARK_TIER).
+test-benchmarks: $(STAMP)
+	$(PYTEST) -m benchmarks
 
 serve: $(STAMP)
 	$(BIN)/python -m service

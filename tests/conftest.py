@@ -47,6 +47,18 @@ FULL_TIER = {
     "tests/model/test_kernels_asan.py": "the C kernels built with AddressSanitizer and their tests run under it",
     "tests/model/test_quantize.py::test_int8_translator_keeps_greedy_bleu_within": "BLEU on test_2016 twice (25 s)",
     "tests/model/test_quantize.py::test_int8_generator_keeps_nats_per_char_within": "the validation split twice (1 minute)",
+    "tests/model/test_export.py::test_peers_benchmark_translates_alike_in_every_system": "exports and runs every peer system (1 minute)",
+}
+
+
+# Benchmark commands whose quickest form still measures for minutes: `make test-benchmarks` runs
+# them (before a change to a benchmark lands), `make test` and `make test-all` leave them out
+# (marker `benchmarks`), keeping CI under 40 minutes on a slow 2-core machine.
+BENCHMARK_TIER = {
+    "tests/test_benchmarks_run.py::test_peers_quick_on_the_shipped_checkpoints": "every peer system on the shipped models (2-4 minutes)",
+    "tests/test_benchmarks_run.py::test_peers_quick_on_hugging_face_folders": "every peer system on Hugging Face folders (1.5 minutes)",
+    "tests/test_benchmarks_run.py::test_serving_quick_serves_the_default_models": "the default service in and out of process (2 minutes)",
+    "tests/test_benchmarks_run.py::test_front_door_quick_measures_refusals": "Apache's ab against the front door (1.5 minutes)",
 }
 
 
@@ -98,7 +110,7 @@ def group_of(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks the tests of FULL_TIER `slow`; orders the groups, longest first. Refuses two tests of
+    """Marks the tests of FULL_TIER `slow` and of BENCHMARK_TIER `benchmarks`; orders the groups, longest first. Refuses two tests of
     one name: the workers would run only one of them."""
     named_twice = [nodeid for nodeid, count in Counter(item.nodeid for item in items).items() if count > 1]
     if named_twice:
@@ -106,6 +118,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(tuple(FULL_TIER)):
             item.add_marker(pytest.mark.slow)
+        if item.nodeid.startswith(tuple(BENCHMARK_TIER)):
+            item.add_marker(pytest.mark.benchmarks)
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: file order within
 

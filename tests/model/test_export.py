@@ -234,6 +234,21 @@ def test_exports_refuse_layouts_the_targets_cannot_express() -> None:
         gpt_neox_config(GeneratorConfig(parallel_residual=True))
 
 
+@pytest.mark.filterwarnings("ignore:Recommended. pip install sacremoses")
+def test_peers_benchmark_translates_alike_in_every_system(exports: Path) -> None:
+    """benchmarks.peers feeds every system the same sentences: the float32 ones translate them as we do."""
+    compared = peers.Compared(DEFAULT_TRANSLATOR, False, exports / "hf-translator", exports / "ct2-translator", 256)
+    references = read_lines(SHARED_DATA / "multi30k" / "test_2016_flickr.de.gz")[:8]
+    results = peers.translation(compared, TEST_SOURCES[:8], references, threads=1, repeats=1, compiled_rows=peers.QUICK_COMPILED_ROWS)
+    for work in ["translate_greedy", "translate_beam4"]:
+        assert results[f"{work}_same_as_ours_transformers"] == results[f"{work}_same_as_ours_ct2_float32"] == 1.0
+        assert results[f"{work}_bleu_ours"] == results[f"{work}_bleu_transformers"] > 0
+    ratios = peers.ratios(results)
+    ours, peer = results["translate_beam4_sentences_per_s_ours"], results["translate_beam4_sentences_per_s_ct2_float32"]
+    assert ratios["translate_beam4_vs_ct2_float32"] == ours / peer
+    assert {f"translate_greedy_vs_{p}" for p in peers.PEERS} <= ratios.keys()
+
+
 def test_peers_benchmark_takes_the_translators_languages_and_keeps_the_shipped_results(tmp_path: Path) -> None:
     """Sources and references follow the folder's languages (one line when Multi30k has none), and
     a run on other folders writes beside benchmarks/results/peers.json, not over it."""
