@@ -275,10 +275,12 @@ SERVICE_START_TIMEOUT_S = 300.0  # a bound on a broken start, not a speed limit
 
 
 SERVICE_START_ATTEMPTS = 3
-# Decode steps eager unless a test's options say otherwise: by default every model compiles 7
-# buckets in the background while it serves, CPU the tests beside it wait for (the compiled step
-# has tests of its own: tests/engine/test_compiled_decode.py, test_compile_cache.py).
-EAGER = ("--compiled-decode", "none")
+# Decode steps eager in the services and clusters tests start, unless a test says otherwise: by
+# default every model compiles 6-7 buckets in the background at each replica's start, CPU the tests
+# beside it wait for (the compiled step has tests of its own: tests/engine/test_compiled_decode.py,
+# test_compile_cache.py). EAGER_DECODE for a Serve config's engine.compiled_decode, EAGER for the command line.
+EAGER_DECODE = "none"
+EAGER = ("--compiled-decode", EAGER_DECODE)
 # What Ray raises when a node's raylet never registered: it exits when an agent cannot bind its port.
 RAY_NODE_FAILED = "The current node timed out during startup"
 

@@ -48,7 +48,7 @@ from loadtests.scaling import (
     summary,
 )
 from service.ports import free_port
-from tests.helpers import assert_serves
+from tests.helpers import EAGER_DECODE, assert_serves
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "serving.json"
 GPU_CONFIG = ROOT / "deploy" / "serve_config.gpu.yaml"
@@ -56,10 +56,6 @@ RUNS: dict[str, Timeline] = {}  # what one test measured, for a later one to rea
 METRICS_SETTLE_S = 180.0  # a bound on a broken exporter: Ray reports every 10 s
 BROKEN_CLUSTER_REQUESTS = 1000  # a load's bound per client where it runs until a rollout is over
 SHIPPED = cluster_config(0)  # deploy/serve_config.yaml as the tests serve it
-# The replicas' decode steps eager: compiling them in the background at every replica's start took
-# the CPU the scaling and rollouts wait for (the compiled step has tests of its own,
-# tests/engine/test_compiled_decode.py).
-EAGER = "none"
 HELD_S = SHIPPED["http_options"]["request_timeout_s"] - 20.0  # the held generator's deadlines: below Serve's own
 
 
@@ -96,7 +92,7 @@ def deployed() -> Iterator[Deployed]:
                 # the release, once the new replica runs, however long it took to start here).
                 engine = {**shipped_model(GENERATOR)["engine"], "queue_timeout_s": HELD_S, "request_timeout_s": HELD_S}
                 held = {GENERATOR: {"fault_injection": True, "heartbeat_timeout_s": 600, "engine": engine}}
-                cluster.deploy(write_config(cluster_config(port, models=held, compiled_decode=EAGER), directory / "v1.json"))
+                cluster.deploy(write_config(cluster_config(port, models=held, compiled_decode=EAGER_DECODE), directory / "v1.json"))
                 cluster.wait_for(ReplicaCheck(running={TRANSLATOR: 1, GENERATOR: 1}))
                 yield Deployed(cluster, f"http://127.0.0.1:{port}", port, monitor, directory)
             finally:
@@ -328,7 +324,7 @@ def test_a_changed_config_rolls_out_under_load_without_a_failed_request_or_a_cut
         TRANSLATOR: {"checkpoint": str(checkpoint)},
         GENERATOR: {"engine": {"n_slots": 24, "max_waiting": 48, "default_max_tokens": 16}, "stream_interval_ms": 20},
     }
-    v2 = write_config(cluster_config(deployed.port, models=models, compiled_decode=EAGER), deployed.directory / "v2.json")
+    v2 = write_config(cluster_config(deployed.port, models=models, compiled_decode=EAGER_DECODE), deployed.directory / "v2.json")
     load = Load(
         streams=6, completions=1, translations=2, max_requests=BROKEN_CLUSTER_REQUESTS, max_tokens=200, request_timeout_s=HELD_S + 30
     )

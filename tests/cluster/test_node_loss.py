@@ -29,7 +29,7 @@ from loadtests.cluster import (
 from loadtests.scaling import Load, Result, Scenario, Timeline, cluster_config, run_scenario
 from service.metrics import RETRY_OUTCOMES
 from service.ports import free_port
-from tests.helpers import assert_serves, scrape
+from tests.helpers import EAGER_DECODE, assert_serves, scrape
 
 SERVED_AGAIN_WITHIN_S = 10.0  # the bound: from the kill, every new request is served
 SERVED_LATER = 30  # requests sent past that bound, which the load goes on for
@@ -41,7 +41,7 @@ def cluster() -> Iterator[tuple[LocalCluster, str]]:
     try:
         with local_cluster(directory / "cluster", num_cpus=4) as cluster:
             port = free_port()
-            config = cluster_config(port, compiled_decode="none")  # as test_cluster.py's EAGER: no compile beside the load
+            config = cluster_config(port, compiled_decode=EAGER_DECODE)
             config["proxy_location"] = "HeadOnly"
             args = config["applications"][0]["args"]
             args["ingress_actor_options"] = {"resources": {"head": 0.01}}

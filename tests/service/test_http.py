@@ -264,12 +264,12 @@ def test_unknown_model_is_404_and_oversized_body_is_413(service_url: str) -> Non
 
 
 def test_health_readiness_models_and_openapi(service_url: str) -> None:
-    http = httpx.Client(base_url=service_url, timeout=60)  # what they answer, not how fast (the machine is shared)
-    assert http.get("/healthz").status_code == 200
-    assert http.get("/readyz").json() == {"status": "ready"}
-    models = http.get("/v1/models").json()
+    with httpx.Client(base_url=service_url, timeout=60) as http:  # what they answer, not how fast (the machine is shared)
+        assert http.get("/healthz").status_code == 200
+        assert http.get("/readyz").json() == {"status": "ready"}
+        models = http.get("/v1/models").json()
+        spec = http.get("/openapi.json").json()
     assert {m["id"] for m in models["data"]} == {TEST_CONFIG.generator.name, TEST_CONFIG.translator.name}
-    spec = http.get("/openapi.json").json()
     for path in ("/v1/completions", "/v1/models", "/v1/translate", "/translate", "/languages", "/health", "/healthz", "/readyz"):
         assert path in spec["paths"], path
     assert {"400", "404", "429"} <= spec["paths"]["/v1/completions"]["post"]["responses"].keys()
