@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from decoding.sampling_params import SamplingParams
-from decoding.top_k_cpu import greedy_ids
+from decoding.top_k_cpu import greedy_ids, row_draw
 
 
 def filter_logits(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
@@ -146,6 +146,9 @@ def _inverse_cdf(
     S, V = logits.shape
     if bool((top_k > 0).any()) or bool((top_p < 1.0).any()) or bool((min_p > 0.0).any()):
         logits, temperature = filter_logits(logits / temperature[:, None], top_k, top_p, min_p), torch.ones_like(temperature)
+    by_kernel = row_draw(logits, temperature, uniform)  # the same draw in two passes over each row, where the CPU kernel runs
+    if by_kernel is not None:
+        return by_kernel
     weights = logits - logits.amax(-1, keepdim=True)  # (S, V)
     if bool((temperature != 1.0).any()):
         weights.div_(temperature[:, None])

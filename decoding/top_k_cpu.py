@@ -1,8 +1,10 @@
-"""Each row's k most likely tokens and its log-sum-exp, by a C kernel on the CPU (model/csrc/top_k.c,
-built and loaded by model/cpu_kernels.py): one pass over the logits for what a greedy step (k = 1)
-and a beam step (k = 2 x beam size) take from them, where torch reads the whole vocabulary once for
-its argmax, once for log_softmax and once for top-k. torch's operations stay where the kernel is
-off, and for other devices and dtypes."""
+"""Kernels over rows of logits on the CPU (model/csrc/top_k.c, built and loaded by
+model/cpu_kernels.py). Each row's k most likely tokens and its log-sum-exp: one pass over the logits
+for what a greedy step (k = 1) and a beam step (k = 2 x beam size) take from them, where torch reads
+the whole vocabulary once for its argmax, once for log_softmax and once for top-k. Each row's
+sampled token: two passes (its largest logit, then its weights' sums), where torch's draw made
+five (max, subtract, exp, sum, and the cumulative search). torch's operations stay where the
+kernels are off, and for other devices and dtypes."""
 
 import ctypes
 import functools
@@ -18,6 +20,13 @@ def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The loaded kernel, or None (the CPU kernels are off: model/cpu_kernels.py)."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     return cpu_kernels.load_function("row_top_k", ctypes.c_int, [pointer, pointer, size, size, size, pointer, pointer, pointer])
+
+
+@functools.cache
+def draw_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The loaded draw kernel, or None (the CPU kernels are off)."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    return cpu_kernels.load_function("row_draw", ctypes.c_int, [pointer, size, size, pointer, pointer, pointer, pointer, pointer])
 
 
 def _applies(logits: Tensor) -> bool:
@@ -70,3 +79,41 @@ def greedy_ids(logits: Tensor) -> Tensor:
     if not _applies(logits):
         return logits.argmax(-1)
     return row_top_k(logits, 1, with_lse=False)[1][:, 0]
+
+
+def row_draw(logits: Tensor, temperature: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Each row's draw from softmax(logits / temperature) (S, V), -inf logits never drawn: the first
+    token whose cumulative weight passes uniform x the row's total weight, weights exp((logit - the
+    row's largest) / temperature) (S,) > 0, uniform (S,) in [0, 1]. Returns the tokens (S,), their
+    weights (0: rounding drew past the row's last likely token) and the totals (S,) (NaN for a row
+    with a NaN or +inf logit, or of -inf only); None where the kernel does not apply (torch's draw
+    then: decoding/sampling.py)."""
+    function = draw_kernel()
+    if function is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"row_draw: logits (S, V), V > 0, not of shape {tuple(logits.shape)}")
+    S = logits.shape[0]
+    temperature = temperature.to(torch.float32).contiguous()
+    uniform = uniform.to(torch.float32).contiguous()
+    if temperature.shape != (S,) or uniform.shape != (S,):
+        raise ValueError(f"row_draw: temperature and uniform (S,) for {S} rows")
+    if S and not (bool((temperature > 0).all()) and bool(torch.isfinite(temperature).all())):
+        raise ValueError("row_draw: temperatures above 0")
+    if S and not (bool((uniform >= 0).all()) and bool((uniform <= 1).all())):
+        raise ValueError("row_draw: uniforms in [0, 1]")
+    logits = logits.contiguous()
+    tokens, weights, totals = torch.empty(S, dtype=torch.long), torch.empty(S), torch.empty(S)
+    status = function(
+        logits.data_ptr(),
+        S,
+        logits.shape[1],
+        temperature.data_ptr(),
+        uniform.data_ptr(),
+        tokens.data_ptr(),
+        weights.data_ptr(),
+        totals.data_ptr(),
+    )
+    if status != 0:
+        raise MemoryError("row_draw: out of memory for its chunk sums")
+    return tokens, weights, totals

@@ -1,7 +1,8 @@
-/* The k largest logits of each row, with the row's log-sum-exp: what a greedy step (k = 1) and a
- * beam search step (k = 2 x beam size) need of a (rows, vocab) block of logits, in one pass over
- * it instead of torch's argmax, log_softmax and top-k over the whole vocabulary (each a pass, the
- * first two not vectorised on the CPU). Built and loaded by decoding/top_k_cpu.py. */
+/* Kernels over rows of logits. row_top_k: the k largest logits of each row, with the row's
+ * log-sum-exp: what a greedy step (k = 1) and a beam search step (k = 2 x beam size) need of a
+ * (rows, vocab) block of logits, in one pass over it instead of torch's argmax, log_softmax and
+ * top-k over the whole vocabulary (each a pass, the first two not vectorised on the CPU). row_draw:
+ * each row's sampled token, in two passes. Built and loaded by decoding/top_k_cpu.py. */
 #include <float.h>
 #include <math.h>
 #include <stddef.h>
@@ -104,5 +105,79 @@ int row_top_k(const float *logits, const int64_t *row_index, int64_t rows, int64
     }
     free(chunk_top);
     free(unused);
+    return 0;
+}
+
+#define DRAW_CHUNK 1024 /* logits whose weights row_draw sums together: its search finds a chunk, then the token in it */
+
+/* A logit's weight: exp((x - top) / temperature), as `scale` = 1 / temperature, and exactly 0 for
+ * -inf (a masked token: never drawn), tested on its bits, which -ffast-math leaves alone. */
+static inline float draw_weight(float x, float top, float scale) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const float weight = exp_nonpositive((x - top) * scale);
+    return bits == 0xff800000u ? 0.0f : weight;
+}
+
+/* logits (rows, vocab) contiguous, vocab >= 1; temperature (rows,) > 0, uniform (rows,) in [0, 1).
+ * Each row's draw from softmax(row / temperature): the first token whose cumulative weight passes
+ * uniform x the row's total weight (weights from draw_weight). Two passes over a row: its largest
+ * logit, then each DRAW_CHUNK's sum of weights, then the weights of the one chunk the target falls
+ * in, cumulated in order. Writes tokens (rows,), weights (rows,): the drawn token's weight (0 when
+ * rounding put the target past the chunk's last token of weight above 0 and none is left: the
+ * caller's fallback), totals (rows,): the row's total weight, NaN for a row with a NaN or +inf logit
+ * or of -inf only (its token and weight then 0). Returns 0, or -2 when out of memory. */
+int row_draw(const float *logits, int64_t rows, int64_t vocab, const float *temperature, const float *uniform, int64_t *tokens,
+             float *weights, float *totals) {
+    const int64_t chunks = (vocab + DRAW_CHUNK - 1) / DRAW_CHUNK;
+    float *sums = malloc(sizeof(float) * (size_t)chunks);
+    if (sums == NULL) return -2;
+    const uint32_t nan_bits = 0x7fc00000u;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = logits + r * vocab;
+        float top = -INFINITY;
+        uint32_t special = 0; /* a NaN or +inf seen: an exponent of all ones, other than -inf's */
+#pragma omp simd reduction(max : top) reduction(| : special)
+        for (int64_t j = 0; j < vocab; j++) {
+            uint32_t bits;
+            memcpy(&bits, &row[j], sizeof bits);
+            special |= (uint32_t)((bits & 0x7f800000u) == 0x7f800000u && bits != 0xff800000u);
+            top = row[j] > top ? row[j] : top;
+        }
+        tokens[r] = 0;
+        weights[r] = 0.0f;
+        memcpy(&totals[r], &nan_bits, sizeof nan_bits);
+        if (special) continue;
+        const float scale = 1.0f / temperature[r];
+        float total = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t first = c * DRAW_CHUNK, n = vocab - first < DRAW_CHUNK ? vocab - first : DRAW_CHUNK;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < n; j++) sum += draw_weight(row[first + j], top, scale);
+            sums[c] = sum;
+            total += sum;
+        }
+        /* A row of -inf only has no weight (its largest may read -FLT_MAX: -ffast-math's max
+         * reduction starts there); any finite logit gives the largest weight 1. */
+        if (!(total > 0.0f)) continue;
+        totals[r] = total;
+        const float target = uniform[r] * total;
+        int64_t c = 0;
+        float before = 0.0f; /* the cumulative weight at chunk c's start */
+        while (c < chunks - 1 && before + sums[c] <= target) before += sums[c++];
+        const int64_t first = c * DRAW_CHUNK, last = first + DRAW_CHUNK < vocab ? first + DRAW_CHUNK : vocab;
+        float cumulative = before;
+        for (int64_t i = first; i < last; i++) {
+            const float weight = draw_weight(row[i], top, scale);
+            if (weight > 0.0f) { /* the last token of weight above 0 so far: where rounding's overshoot ends */
+                tokens[r] = i;
+                weights[r] = weight;
+            }
+            cumulative += weight;
+            if (cumulative > target && weight > 0.0f) break;
+        }
+    }
+    free(sums);
     return 0;
 }

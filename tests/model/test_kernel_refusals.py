@@ -131,3 +131,22 @@ def test_top_k_refuses_what_it_cannot_read(logits: Tensor, k: int, rows: Tensor 
         pytest.skip("the C kernels did not build here")
     with pytest.raises(ValueError, match=message):
         top_k_cpu.row_top_k(logits, k, rows=rows)
+
+
+@pytest.mark.parametrize(
+    ("logits", "temperature", "uniform", "message"),
+    [
+        (torch.zeros(10), torch.ones(1), torch.zeros(1), r"logits \(S, V\)"),
+        (torch.zeros(2, 0), torch.ones(2), torch.zeros(2), r"V > 0"),
+        (torch.zeros(2, 10), torch.ones(3), torch.zeros(2), "temperature and uniform"),
+        (torch.zeros(2, 10), torch.ones(2), torch.zeros(1), "temperature and uniform"),
+        (torch.zeros(2, 10), torch.tensor([1.0, 0.0]), torch.zeros(2), "temperatures above 0"),
+        (torch.zeros(2, 10), torch.tensor([1.0, float("nan")]), torch.zeros(2), "temperatures above 0"),
+        (torch.zeros(2, 10), torch.ones(2), torch.tensor([0.5, 1.5]), r"uniforms in \[0, 1\]"),
+    ],
+)
+def test_the_draw_refuses_what_it_cannot_read(logits: Tensor, temperature: Tensor, uniform: Tensor, message: str) -> None:
+    if top_k_cpu.draw_kernel() is None:
+        pytest.skip("the C kernels did not build here")
+    with pytest.raises(ValueError, match=message):
+        top_k_cpu.row_draw(logits, temperature, uniform)

@@ -1,8 +1,20 @@
+import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from decoding import top_k_cpu
 from decoding.sampling import SEARCH_CHUNK, adjust_logits, filter_logits, sample_next
 from decoding.sampling_params import SamplingParams
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def draw_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A test of the draw runs on the C kernel's (decoding/top_k_cpu.py row_draw, where it builds) and on torch's."""
+    if request.param == "kernel" and top_k_cpu.draw_kernel() is None:
+        pytest.skip("the CPU kernels are off")
+    if request.param == "torch":
+        monkeypatch.setattr(top_k_cpu, "draw_kernel", lambda: None)
+    return str(request.param)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
@@ -25,7 +37,7 @@ def test_greedy_and_filters() -> None:
     assert draws <= {1, 3} and len(draws) == 2
 
 
-def test_nan_logits_are_never_drawn() -> None:
+def test_nan_logits_are_never_drawn(draw_path: str) -> None:
     logits = torch.tensor([[float("nan"), 1.0, 5.0, float("nan")]])
     assert int(sample_next(logits, [SamplingParams(temperature=0.1)], [None])[0]) == 2  # token 1: probability e^-40
 
@@ -48,7 +60,7 @@ def plain_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return token if probs[token] > 0 else int(probs.argmax())
 
 
-def test_batched_sampling_draws_what_the_plain_path_draws() -> None:
+def test_batched_sampling_draws_what_the_plain_path_draws(draw_path: str) -> None:
     """Rows of every kind in one batch (greedy, temperature, top-k, top-p, min-p; some with NaN or
     +inf logits) draw, seed for seed, the token the plain one-row path draws."""
     torch.manual_seed(0)
@@ -172,7 +184,7 @@ def test_the_batched_filter_equals_the_plain_one_row_by_row() -> None:
         assert torch.equal(batched[row], one_row_filter(logits[row], k, p, m)), f"row {row}"
 
 
-def test_draws_follow_the_filtered_distribution() -> None:
+def test_draws_follow_the_filtered_distribution(draw_path: str) -> None:
     """4,000 seeded draws of a top-k 3 row at temperature 2: each token's share within 0.03 of its probability."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]])
     params = SamplingParams(temperature=2.0, top_k=3)
@@ -183,11 +195,12 @@ def test_draws_follow_the_filtered_distribution() -> None:
     assert torch.allclose(counts / 4000, expected, atol=0.03)
 
 
-def test_the_chunked_inverse_cdf_draws_what_one_cumulative_sum_over_the_row_draws() -> None:
-    """The optimised draw (chunk sums, then one chunk's cumulative sum) against the plain inverse
-    CDF (softmax, a cumulative sum over the whole row, searchsorted), same uniforms: the same token
-    wherever the target is not within float rounding of a boundary between two tokens. Vocabularies
-    below, at and past a multiple of the chunk, suppressed ids at -inf, temperatures and filters."""
+def test_the_chunked_inverse_cdf_draws_what_one_cumulative_sum_over_the_row_draws(draw_path: str) -> None:
+    """The optimised draws (chunk sums, then one chunk's cumulative sum: torch's, and the C
+    kernel's in two passes over a row) against the plain inverse CDF (softmax, a cumulative sum
+    over the whole row, searchsorted), same uniforms: the same token wherever the target is not
+    within float rounding of a boundary between two tokens. Vocabularies below, at and past a
+    multiple of the chunk, suppressed ids at -inf, temperatures and filters."""
     torch.manual_seed(0)
     params = [
         SamplingParams(temperature=1.0),

@@ -97,3 +97,44 @@ def test_a_beam_step_from_each_rows_top_2k_equals_the_step_over_the_vocabulary(p
         for a, b in zip(fast, plain, strict=True):
             assert a.sequences == b.sequences and len(a.finished) == len(b.finished)
             torch.testing.assert_close(torch.tensor(a.scores), torch.tensor(b.scores), rtol=0, atol=1e-5)
+
+
+def test_the_draw_kernel_computes_torchs_weights_totals_and_tokens() -> None:
+    """row_draw against the same draw in torch's operations (softmax weights relative to the row's
+    largest, a cumulative sum, the first to pass uniform x total): weights within 1e-6 and totals
+    within 1e-5 (relative), the same token wherever the target is not within rounding of a boundary
+    between two, never a -inf logit; rows with a NaN or +inf logit, or of -inf only, get a NaN total."""
+    if top_k_cpu.draw_kernel() is None:
+        pytest.skip("the CPU kernels are off")
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (1, 37, 1024, 3 * 1024 + 100, 49_152):
+        logits = 4 * torch.randn(64, vocab, generator=generator)
+        logits[:, : vocab // 10] = float("-inf")  # suppressed ids
+        logits[1, vocab // 2 :] = float("-inf")  # a chunk of -inf only
+        logits[3, vocab - 1] = float("nan")
+        logits[4, 0] = float("inf")
+        logits[5] = float("-inf")
+        temperature = torch.tensor([0.3, 0.7, 1.0, 1.5] * 16)
+        uniform = torch.rand(64, generator=generator)
+        uniform[6], uniform[7] = 0.0, 1.0  # the ends of the range
+        drawn = top_k_cpu.row_draw(logits, temperature, uniform)
+        assert drawn is not None
+        tokens, weights, totals = drawn
+        poisoned = [3, 4, 5]
+        assert torch.isnan(totals[poisoned]).all()
+        weights_torch = ((logits - logits.amax(-1, keepdim=True)) / temperature[:, None]).exp()  # (S, V)
+        cumulative = weights_torch.cumsum(-1)
+        for row in sorted(set(range(64)) - set(poisoned)):
+            if not bool(torch.isfinite(logits[row]).any()):  # every logit suppressed (a vocabulary of 1)
+                assert torch.isnan(totals[row])
+                continue
+            total = float(cumulative[row, -1])
+            assert abs(float(totals[row]) - total) <= 1e-5 * total, (vocab, row)
+            token = int(tokens[row])
+            assert torch.isfinite(logits[row, token]), (vocab, row)
+            torch.testing.assert_close(weights[row], weights_torch[row, token], rtol=1e-6, atol=0)
+            target = float(uniform[row]) * total
+            expected = min(int(torch.searchsorted(cumulative[row], torch.tensor([target]), right=True)), vocab - 1)
+            if token != expected:  # only a rounding tie at the boundary between them
+                boundary = float(cumulative[row, min(token, expected)])
+                assert abs(boundary - target) <= 1e-5 * total, (vocab, row, token, expected)
