@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from decoding.sampling_params import SamplingParams
-from decoding.top_k_cpu import greedy_ids, row_draw
+from decoding.top_k_cpu import cleaned_logits, greedy_ids, row_draw
 
 
 def filter_logits(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
@@ -91,8 +91,6 @@ def sample_next(logits: Tensor, params: list[SamplingParams], generators: list[t
     """
     logits = logits.float()
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if len(rows) < len(params) and (not logits.numel() or not bool(logits.amax() < float("inf"))):
-        logits = _finite(logits)  # greedy rows without NaN or +inf (one max over the batch) need no cleaned copy
     tokens = greedy_ids(logits) if len(rows) < len(params) else torch.zeros(len(params), dtype=torch.long, device=logits.device)
     if not rows:
         return tokens
@@ -102,11 +100,6 @@ def sample_next(logits: Tensor, params: list[SamplingParams], generators: list[t
         logits if len(rows) == len(params) else logits.index_select(0, index), [params[i] for i in rows], [generators[i] for i in rows]
     )
     return tokens.index_put((index,), sampled)
-
-
-def _finite(logits: Tensor) -> Tensor:
-    """A copy of logits (R, V) with NaN at -inf and +inf at the largest float: what an argmax reads."""
-    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
 
 
 def _draw(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
@@ -121,7 +114,7 @@ def _draw(logits: Tensor, params: list[SamplingParams], generators: list[torch.G
     drawn, weight, total = _inverse_cdf(logits, temperature, top_k, top_p, min_p, uniform)
     fallback = None
     if not bool(torch.isfinite(total).all()):  # NaN or +inf logits: drawn from the cleaned rows instead
-        logits = _finite(logits)
+        logits = cleaned_logits(logits)
         drawn, weight, total = _inverse_cdf(logits, temperature, top_k, top_p, min_p, uniform)
         fallback = greedy_ids(logits)  # for a row that stays poisoned (every logit NaN, or overflowing its temperature)
     zero = weight <= 0  # rounding drew a token of probability 0: the row's most likely instead

@@ -19,7 +19,7 @@ from model import cpu_kernels
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The loaded kernel, or None (the CPU kernels are off: model/cpu_kernels.py)."""
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    return cpu_kernels.load_function("row_top_k", ctypes.c_int, [pointer, pointer, size, size, size, pointer, pointer, pointer])
+    return cpu_kernels.load_function("row_top_k", ctypes.c_int, [pointer, pointer, size, size, size, pointer, pointer, pointer, pointer])
 
 
 @functools.cache
@@ -38,6 +38,13 @@ def row_top_k(logits: Tensor, k: int, with_lse: bool = True, rows: Tensor | None
     read where they lie (no copy of the logits). Returns each row's k largest logits (R, k), best
     first, their ids (R, k) and, with_lse, each row's log-sum-exp (R,) (None otherwise). Of equal
     logits the kernel lists the lower id first (torch's top-k, where the kernel is off, in no set order)."""
+    values, ids, lse, _ = _row_top_k(logits, k, with_lse, rows)
+    return values, ids, lse
+
+
+def _row_top_k(logits: Tensor, k: int, with_lse: bool, rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+    """row_top_k, and whether a row read holds a NaN or +inf (the kernel's results are then not its
+    top k; False where torch's path ran)."""
     if logits.dim() != 2:
         raise ValueError(f"row_top_k: logits (N, V), not of shape {tuple(logits.shape)}")
     V = logits.shape[1]
@@ -46,7 +53,7 @@ def row_top_k(logits: Tensor, k: int, with_lse: bool = True, rows: Tensor | None
     if not _applies(logits):
         chosen = logits if rows is None else logits.index_select(0, rows.to(logits.device))
         values, ids = chosen.topk(k, dim=-1)
-        return values, ids, torch.logsumexp(chosen, dim=-1) if with_lse else None
+        return values, ids, torch.logsumexp(chosen, dim=-1) if with_lse else None, False
     logits = logits.contiguous()
     index = None if rows is None else rows.to(torch.int64).contiguous()
     R = logits.shape[0] if index is None else index.shape[0]
@@ -54,6 +61,7 @@ def row_top_k(logits: Tensor, k: int, with_lse: bool = True, rows: Tensor | None
         raise ValueError(f"row_top_k: rows outside the logits' {logits.shape[0]}")
     values, ids = torch.empty(R, k), torch.empty(R, k, dtype=torch.long)
     lse = torch.empty(R) if with_lse else None
+    poisoned = ctypes.c_int64(0)
     function = kernel()
     assert function is not None
     status = function(
@@ -65,20 +73,33 @@ def row_top_k(logits: Tensor, k: int, with_lse: bool = True, rows: Tensor | None
         values.data_ptr(),
         ids.data_ptr(),
         None if lse is None else lse.data_ptr(),
+        ctypes.addressof(poisoned),
     )
     if status == -1:
         raise ValueError(f"row_top_k: k = {k} of {V} logits")
     if status != 0:
         raise MemoryError("row_top_k: out of memory for its chunk maxima")
-    return values, ids, lse
+    return values, ids, lse, bool(poisoned.value)
 
 
 def greedy_ids(logits: Tensor) -> Tensor:
-    """Each row's most likely id (R,) of logits (R, V) without NaN; the first of equal ones, as
-    torch's argmax."""
+    """Each row's most likely id (R,) of logits (R, V), NaN read as -inf and +inf as the largest
+    float; the first of equal ones, as torch's argmax. The kernel's one pass also finds whether a
+    row holds a NaN or +inf (then it reads a cleaned copy), where torch's path checks with a pass of
+    its own."""
     if not _applies(logits):
-        return logits.argmax(-1)
-    return row_top_k(logits, 1, with_lse=False)[1][:, 0]
+        if logits.numel() and bool(logits.amax() < float("inf")):  # NaN and +inf fail it
+            return logits.argmax(-1)
+        return cleaned_logits(logits).argmax(-1)
+    _, ids, _, poisoned = _row_top_k(logits, 1, False, None)
+    if poisoned:
+        _, ids, _, _ = _row_top_k(cleaned_logits(logits), 1, False, None)
+    return ids[:, 0]
+
+
+def cleaned_logits(logits: Tensor) -> Tensor:
+    """A copy of logits with NaN at -inf and +inf at the largest float: what an argmax reads (and a draw, of a poisoned row)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
 
 
 def row_draw(logits: Tensor, temperature: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:

@@ -50,14 +50,16 @@ static inline int64_t insert(float *values, int64_t *ids, int64_t count, int64_t
 /* logits (n, vocab) contiguous, without NaN, vocab >= k >= 1; row_index (rows,): the rows to read,
  * in order (NULL: rows 0 .. rows - 1). Writes values, ids (rows, k): each such row's k largest
  * logits and their ids, best first; lse (rows,), unless NULL: log(sum(exp(row))), -inf for a row
- * of -inf only. Returns 0; -1 when k is out of range, -2 when out of memory.
+ * of -inf only; poisoned, unless NULL: 1 when a row read holds a NaN or +inf (whose results are
+ * then not its top k: the caller reads a cleaned copy), else 0. Returns 0; -1 when k is out of
+ * range, -2 when out of memory.
  *
  * A row is read in chunks: first each chunk's largest logit (a vectorised pass), then only the
  * chunks whose largest is at least the k-th largest of those, element by element, in order. The
  * k-th largest chunk maximum is a lower bound of the row's k-th largest logit (k chunks hold one at
  * least as large each), so every logit of the k best is in a chunk that is read. */
 int row_top_k(const float *logits, const int64_t *row_index, int64_t rows, int64_t vocab, int64_t k, float *values, int64_t *ids,
-              float *lse) {
+              float *lse, int64_t *poisoned) {
     if (k < 1 || k > vocab) return -1;
     const int64_t chunks = (vocab + CHUNK - 1) / CHUNK;
     float *chunk_top = malloc(sizeof(float) * (size_t)(chunks + k)); /* each chunk's largest, then the k largest of those */
@@ -68,13 +70,19 @@ int row_top_k(const float *logits, const int64_t *row_index, int64_t rows, int64
         return -2;
     }
     float *bound = chunk_top + chunks;
+    uint32_t special = 0; /* a NaN or +inf seen: an exponent of all ones, other than -inf's */
     for (int64_t r = 0; r < rows; r++) {
         const float *row = logits + (row_index == NULL ? r : row_index[r]) * vocab;
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t first = c * CHUNK, n = vocab - first < CHUNK ? vocab - first : CHUNK;
             float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-            for (int64_t j = 0; j < n; j++) top = row[first + j] > top ? row[first + j] : top;
+#pragma omp simd reduction(max : top) reduction(| : special)
+            for (int64_t j = 0; j < n; j++) {
+                uint32_t bits;
+                memcpy(&bits, &row[first + j], sizeof bits);
+                special |= (uint32_t)((bits & 0x7f800000u) == 0x7f800000u && bits != 0xff800000u);
+                top = row[first + j] > top ? row[first + j] : top;
+            }
             chunk_top[c] = top;
         }
         float threshold = -INFINITY; /* every chunk is read when there are at most k */
@@ -103,6 +111,7 @@ int row_top_k(const float *logits, const int64_t *row_index, int64_t rows, int64
         for (int64_t j = 0; j < vocab; j++) sum += exp_nonpositive(row[j] - top);
         lse[r] = top + logf(sum);
     }
+    if (poisoned != NULL) *poisoned = special != 0;
     free(chunk_top);
     free(unused);
     return 0;

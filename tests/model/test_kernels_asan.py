@@ -32,7 +32,7 @@ from decoding import top_k_cpu
 from model import cpu_kernels
 assert "asan-" in cpu_kernels.library()._name
 logits, values, ids = torch.zeros(1, 64), torch.empty(1, 1), torch.empty(1, 1, dtype=torch.long)
-top_k_cpu.kernel()(logits.data_ptr(), None, 1, 4096, 1, values.data_ptr(), ids.data_ptr(), None)  # 4,096 of 64 logits
+top_k_cpu.kernel()(logits.data_ptr(), None, 1, 4096, 1, values.data_ptr(), ids.data_ptr(), None, None)  # 4,096 of 64 logits
 """
 
 

@@ -58,6 +58,19 @@ def test_greedy_ids_are_argmax_with_its_ties(path: str) -> None:
     assert torch.equal(greedy_ids(logits), logits.argmax(-1))
 
 
+def test_greedy_ids_read_nan_as_minus_infinity_and_infinity_as_the_largest_float(path: str) -> None:
+    """A poisoned row (NaN, +inf; found in the kernel's one pass, else by a max of torch's) gets the
+    argmax of its cleaned copy; the rows beside it theirs."""
+    logits = logits_with_edges(6, 8000)
+    logits[3, [5, 6000]] = float("nan")
+    logits[4, [100, 7000]] = float("inf")  # the first of the two
+    logits[5, :] = float("nan")
+    cleaned = logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    assert torch.equal(greedy_ids(logits), cleaned.argmax(-1))
+    assert greedy_ids(logits)[4] == 100
+    assert torch.equal(greedy_ids(logits[:2]), logits[:2].argmax(-1))  # no poisoned row: no copy needed
+
+
 def step_over_the_vocabulary(states: list[BeamState], logits: torch.Tensor) -> list[tuple[list[int], list[int]]]:
     """The plain beam step: every beam x token candidate scored, one top-2K per sentence, walked
     best first: an eos among the K best ends a hypothesis, the first K others live on."""
