@@ -1,15 +1,19 @@
 """The engine's own cost per sequence: Engine.step in-process (no Ray, no HTTP) on the tiny Llama of
 `benchmarks.vs_vllm --tiny`, where the model's arithmetic is small, at several numbers of running
-sequences, greedy and sampled; each setting beside the same engine sampling all its rows at once
-(GeneratorRunner.block_rows: the plain path) and, sampled, beside it drawing by torch's operations
-instead of the C kernel (decoding/top_k_cpu.py row_draw), taking turns.
+sequences, greedy and sampled, each in three settings, taking turns:
+
+- default: the engine as it serves. Greedy rows take their argmax from the panel kernel without
+  the logits (GeneratorRunner._take_argmax); sampled rows get their logits a block of rows at a
+  time (GeneratorRunner.block_rows) and the C kernel draws (decoding/top_k_cpu.py row_draw).
+- plain: the path those kernels replaced. Greedy: the logits a block at a time, then the top-k
+  kernel's argmax; sampled: the blocks drawn by torch's operations.
+- whole: the logits of all rows at once (greedy: argmax kernel off; sampled: the C kernel's draw).
 
     python -m benchmarks.step_cost [--sequences 16,64,256] [--steps 20] [--rounds 3] [--json [FILE]]
 
 Each setting admits N requests of 128 random prompt tokens (128 out, ignore_eos), computes their
-prompts, then times `steps` decode steps, `rounds` times, alternating the two block sizes; the
-median round is kept. Prints ms per step, µs per sequence, blocks / whole and, sampled, kernel draw /
-torch draw (both in blocks). One torch thread.
+prompts, then times `steps` decode steps, `rounds` times, the settings in turn; the median round is
+kept. Prints ms per step, µs per sequence, default / plain and default / whole. One torch thread.
 """
 
 import argparse
@@ -26,6 +30,7 @@ from benchmarks.provenance import commit, machine
 from benchmarks.vs_vllm import TINY, build_folder
 from decoding import top_k_cpu
 from decoding.sampling_params import GREEDY, SamplingParams
+from model.generator import Generator
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
@@ -62,18 +67,20 @@ def measure(folder: Path, sequences: int, sampled: bool, steps: int, rounds: int
     runner = engine.runner
     assert isinstance(runner, GeneratorRunner)
     blocks = runner.block_rows
-    settings = [("blocks", blocks, True), ("whole", 1 << 30, True)] + ([("torch_draw", blocks, False)] if sampled else [])
-    times: dict[str, list[float]] = {name: [] for name, _, _ in settings}
-    kernel = top_k_cpu.draw_kernel
+    # name: (rows a block, whether the kernel of this kind of row runs)
+    settings = {"default": (blocks, True), "plain": (blocks, False), "whole": (1 << 30, sampled)}
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    draw_kernel, greedy_ids = top_k_cpu.draw_kernel, Generator.greedy_ids
     try:
         for _ in range(rounds):
-            for name, rows, draw_kernel in settings:
+            for name, (rows, kernel) in settings.items():
                 runner.block_rows = rows
-                top_k_cpu.draw_kernel = kernel if draw_kernel else lambda: None  # type: ignore[assignment]
+                top_k_cpu.draw_kernel = draw_kernel if kernel or not sampled else lambda: None  # type: ignore[assignment]
+                Generator.greedy_ids = greedy_ids if kernel or sampled else lambda self, hidden: None  # type: ignore[method-assign]
                 timed_steps(engine, 2)  # the other setting's caches out of the way
                 times[name].append(timed_steps(engine, steps))
     finally:
-        top_k_cpu.draw_kernel = kernel
+        top_k_cpu.draw_kernel, Generator.greedy_ids = draw_kernel, greedy_ids  # type: ignore[method-assign]
     step = {name: statistics.median(values) for name, values in times.items()}
     return {
         "sequences": sequences,
@@ -81,8 +88,8 @@ def measure(folder: Path, sequences: int, sampled: bool, steps: int, rounds: int
         "block_rows": blocks,
         "ms_per_step": {name: round(value * 1e3, 2) for name, value in step.items()},
         "us_per_sequence": {name: round(value * 1e6 / sequences, 1) for name, value in step.items()},
-        "blocks_over_whole": round(step["blocks"] / step["whole"], 3),
-        "kernel_draw_over_torch_draw": round(step["blocks"] / step["torch_draw"], 3) if sampled else None,
+        "default_over_plain": round(step["default"] / step["plain"], 3),
+        "default_over_whole": round(step["default"] / step["whole"], 3),
     }
 
 
@@ -96,15 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     folder = build_folder(TINY.folder, TINY.shape, TINY.model)
     rows = [measure(folder, int(n), sampled, args.steps, args.rounds) for n in args.sequences.split(",") for sampled in (False, True)]
-    print(
-        f"{'sequences':>9} {'sampling':>8} {'ms/step blocks':>15} {'whole':>8} {'torch draw':>11} {'µs/seq blocks':>14} {'whole':>8} "
-        f"{'blocks/whole':>13} {'kernel/torch draw':>18}"
-    )
+    header = f"{'sequences':>9} {'sampling':>8} {'ms/step default':>16} {'plain':>8} {'whole':>8} {'µs/seq':>8}"
+    print(f"{header} {'default/plain':>14} {'default/whole':>14}")
     for r in rows:
-        ms, us, torch_draw = r["ms_per_step"], r["us_per_sequence"], r["ms_per_step"].get("torch_draw", "-")
+        ms, us = r["ms_per_step"], r["us_per_sequence"]["default"]
         print(
-            f"{r['sequences']:>9} {r['sampling']:>8} {ms['blocks']:>15} {ms['whole']:>8} {torch_draw:>11} {us['blocks']:>14} "
-            f"{us['whole']:>8} {r['blocks_over_whole']:>13} {r['kernel_draw_over_torch_draw'] or '-':>18}"
+            f"{r['sequences']:>9} {r['sampling']:>8} {ms['default']:>16} {ms['plain']:>8} {ms['whole']:>8} {us:>8} "
+            f"{r['default_over_plain']:>14} {r['default_over_whole']:>14}"
         )
     if args.json:
         args.json.write_text(json.dumps({"commit": commit(), "machine": machine(), "model": TINY.model, "rows": rows}, indent=2) + "\n")

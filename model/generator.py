@@ -98,3 +98,12 @@ class Generator(nn.Module):
         """(R, d) final hidden states -> (R, vocab) next-token logits."""
         head = self.output_projection if self.output_projection is not None else self.lm_head
         return project_logits(hidden[None], self.embed, head)[0]
+
+    def greedy_ids(self, hidden: Tensor) -> Tensor | None:
+        """(R, d) final hidden states -> (R,) each row's most likely next token (argmax of `logits`,
+        the first of equal ones) without computing the logits, where the output projection is the
+        panel kernel's (model/packed_linear.py PackedLinear.argmax); None elsewhere, or where a row's
+        logits hold a NaN or +inf."""
+        head = self.output_projection if self.output_projection is not None else self.lm_head
+        argmax = getattr(head, "argmax", None)
+        return argmax(hidden) if argmax is not None else None

@@ -119,6 +119,27 @@ class PackedLinear(nn.Module):
         """W (out, in), rebuilt from the panels (a copy)."""
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
+    def argmax(self, rows: Tensor) -> Tensor | None:
+        """Each row's argmax (N,) of self(rows) for rows (N, in), the first of equal ones, by the panel
+        kernel without writing the products (the same sums as forward's): a greedy step's output
+        projection without its logits. None where it does not apply (the kernel off, torch on more
+        than one thread, gradients on) or where a row's products hold a NaN or +inf."""
+        kernel = _argmax_kernel()
+        if kernel is None or torch.is_grad_enabled() or not _panels_apply():
+            return None
+        if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] != self.in_features or rows.device.type != "cpu":
+            raise ValueError(f"PackedLinear.argmax: rows (N, {self.in_features}) float32 on the CPU")
+        rows = rows.contiguous()
+        n = rows.shape[0]
+        ids, poisoned = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        status = kernel(
+            rows.data_ptr(), self.panels.data_ptr(), bias, ids.data_ptr(), poisoned.data_ptr(), n, self.in_features, self.out_features
+        )
+        if status != 0:
+            raise MemoryError("panel_argmax: out of memory for its running maxima")
+        return None if bool(poisoned.any()) else ids
+
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., in) float32. Returns (..., out)."""
         n = x.numel() // self.in_features
@@ -193,6 +214,13 @@ def packed_product(rows: Tensor, packed_weight: Tensor, bias: Tensor | None, out
 
 
 packed_linear = cpu_kernels.register_operator("packed_linear", packed_product, _product_shape)
+
+
+@functools.cache
+def _argmax_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C kernel panel_argmax, or None (the CPU kernels are off)."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    return cpu_kernels.load_function("panel_argmax", ctypes.c_int, [pointer, pointer, pointer, pointer, pointer, size, size, size])
 
 
 def pack_linear_layers(model: Translator | Generator) -> None:

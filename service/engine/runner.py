@@ -136,18 +136,38 @@ def _verify(logits: Tensor, requests: list[Request], drafts: list[list[int]], eo
     _seed(requests)
     states = [r.rng.get_state() if r.rng is not None else None for r in requests]
     rows = [(r, d[:j]) for r, d in zip(requests, drafts, strict=True) for j in range(len(d) + 1)]
-    drawn = _sample(logits, [r for r, _ in rows], eos_ids, [d for _, d in rows])
+    tokens = _kept(_sample(logits, [r for r, _ in rows], eos_ids, [d for _, d in rows]), drafts, eos_ids)
+    for r, d, state, kept in zip(requests, drafts, states, tokens, strict=True):
+        if len(kept) <= len(d) and r.rng is not None and state is not None:  # drew len(d) + 1: as if len(kept)
+            r.rng.set_state(state)
+            torch.rand(len(kept), generator=r.rng)
+    return tokens
+
+
+def _kept(drawn: list[int], drafts: list[list[int]], eos_ids: frozenset[int]) -> list[list[int]]:
+    """Each request's tokens from its 1 + len(drafts[i]) consecutive draws (drawn, in order): its
+    drafts while each equals the draw of the row before it (and is no eos), then the next draw."""
     tokens, at = [], 0
-    for r, d, state in zip(requests, drafts, states, strict=True):
+    for d in drafts:
         taken = 0
         while taken < len(d) and drawn[at + taken] == d[taken] and d[taken] not in eos_ids:
             taken += 1
         tokens.append(drawn[at : at + taken + 1])
-        if taken < len(d) and r.rng is not None and state is not None:  # drew len(d) + 1: as if taken + 1
-            r.rng.set_state(state)
-            torch.rand(taken + 1, generator=r.rng)
         at += len(d) + 1
     return tokens
+
+
+def _argmax_only(r: Request) -> bool:
+    """r's next tokens are its logits' argmax and it asks nothing else of them: greedy, no logprobs,
+    penalties, bias, grammar, or eos held back (min_tokens)."""
+    p = r.params
+    return (
+        p.sampling.greedy
+        and p.logprobs is None
+        and not p.sampling.adjusts_logits
+        and r.grammar is None
+        and len(r.output_ids) >= p.min_tokens
+    )
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -318,7 +338,8 @@ class GeneratorRunner:
             self._sample_blocks(plan, sampling, lambda a, b: next_logits[a:b], output)
         else:  # the rows of each sampling request, in order: logits a block of rows at a time
             sampling = [r for r, d in zip(requests, done, strict=True) if d]
-            self._sample_blocks(plan, sampling, lambda a, b: suppress(step_rows.logits(a, b), self.suppressed), output)
+            if not self._take_argmax(plan, sampling, step_rows, output):
+                self._sample_blocks(plan, sampling, lambda a, b: suppress(step_rows.logits(a, b), self.suppressed), output)
         if plan.prefill:
             output.prefill_seconds = time.perf_counter() - started
         return output
@@ -360,6 +381,24 @@ class GeneratorRunner:
                 sampled_rows += range(at, at + width)
                 at += width
         return sampling, in_order(logits, sampled_rows)  # (S, V)
+
+    def _take_argmax(self, plan: SchedulerOutput, sampling: list[Request], step_rows: StepRows, output: RunnerOutput) -> bool:
+        """A step whose sampling requests are all `_argmax_only`, over hidden states the panel kernel
+        projects: their tokens from each row's argmax without the logits (Generator.greedy_ids),
+        drafts kept as `_verify` keeps them. False, having done nothing, where that does not apply."""
+        if step_rows.project is None or self.suppressed is not None or plan.grammar is not None or not sampling:
+            return False
+        if not all(_argmax_only(r) for r in sampling):
+            return False
+        ids = self.model.greedy_ids(step_rows.values)  # (R,): the rows of every sampling request, in order
+        if ids is None:
+            return False
+        drafts = [plan.drafts.get(r.request_id, []) for r in sampling]
+        for r, d, kept in zip(sampling, drafts, _kept(ids.tolist(), drafts, self.eos_ids), strict=True):
+            output.tokens[r.request_id] = kept
+            if d:
+                output.rejected[r.request_id] = len(d) + 1 - len(kept)
+        return True
 
     def _sample_blocks(
         self, plan: SchedulerOutput, sampling: list[Request], logits_of: Callable[[int, int], Tensor], output: RunnerOutput

@@ -21,6 +21,7 @@ UNDER_ASAN = [
     "tests/model/test_cpu_kernels.py::test_the_cpp_panel_operator_equals_its_python_function",
     "tests/model/test_cpu_kernels.py::test_the_cpp_attention_operator_equals_its_python_function",
     "tests/model/test_packed_linear.py::test_packed_linear_equals_the_plain_layer",
+    "tests/model/test_packed_linear.py::test_the_argmax_kernel_is_the_argmax_of_the_products",
     "tests/model/test_gguf.py::test_interleaved_blocks_hold_the_files_bytes_and_compute_what_they_do",
     "tests/model/test_gguf.py::test_the_cpp_block_operator_equals_its_python_function",
     "tests/model/test_gguf.py::test_the_cpp_block_operator_refuses_shapes_and_dtypes_not_its_own",

@@ -268,3 +268,29 @@ def test_the_panel_kernel_built_for_each_vector_width_equals_the_plain_product(t
             panels, y = to_panels(weight), torch.empty(rows, out_features)
             kernel(x.data_ptr(), panels.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(), rows, 48, out_features)
             assert torch.allclose(y, F.linear(x, weight, b), atol=1e-5, rtol=1e-5), (rows, out_features)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("out_features", [1024, 1000, 40, 3])  # whole panels, a part panel, one part panel, fewer than a vector
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 13, 64, 257])  # the kernel's row groups of each vector width, its half panels
+def test_the_argmax_kernel_is_the_argmax_of_the_products(rows: int, out_features: int, bias: bool) -> None:
+    """PackedLinear.argmax (panel_argmax: the products folded into a running maximum, never stored)
+    equals forward's products' argmax exactly, the first of equal ones; a row holding a NaN or
+    +inf product makes it answer None."""
+    layer = PackedLinear(torch.randn(out_features, 64), torch.randn(out_features) if bias else None)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    x[0] = 0.0  # every product of row 0 equal (the bias, if any): the first column without one
+    with torch.inference_mode():
+        ids = layer.argmax(x)
+        if ids is None:
+            pytest.skip("the panel kernel is off here")
+        assert torch.equal(ids, layer(x).argmax(-1))
+        tied = PackedLinear(torch.cat([layer.weight, layer.weight]), None)  # every column twice: the first of each pair wins
+        tied_ids = tied.argmax(x)
+        assert tied_ids is not None and torch.equal(tied_ids, tied(x).argmax(-1)) and bool((tied_ids < out_features).all())
+        poisoned = x.clone()
+        poisoned[-1] = float("nan")  # every product of the last row NaN
+        assert layer.argmax(poisoned) is None
+        infinite = torch.zeros(out_features)
+        infinite[-1] = float("inf")  # the last column's products +inf
+        assert PackedLinear(layer.weight, infinite).argmax(x) is None
