@@ -2,19 +2,15 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from decoding import top_k_cpu
 from decoding.sampling import SEARCH_CHUNK, adjust_logits, filter_logits, sample_next
 from decoding.sampling_params import SamplingParams
+from tests.model.kernel_paths import kernel_or_torch
 
 
 @pytest.fixture(params=["kernel", "torch"])
 def draw_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """A test of the draw runs on the C kernel's (decoding/top_k_cpu.py row_draw, where it builds) and on torch's."""
-    if request.param == "kernel" and top_k_cpu.draw_kernel() is None:
-        pytest.skip("the CPU kernels are off")
-    if request.param == "torch":
-        monkeypatch.setattr(top_k_cpu, "draw_kernel", lambda: None)
-    return str(request.param)
+    return kernel_or_torch(request, monkeypatch, "draw_kernel")
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch() -> None:

@@ -8,16 +8,13 @@ import torch.nn.functional as F
 from decoding import top_k_cpu
 from decoding.beam_search import BeamState, step_beams
 from decoding.top_k_cpu import greedy_ids, row_top_k
+from tests.model.kernel_paths import kernel_or_torch
 
 
 @pytest.fixture(params=["kernel", "torch"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test runs on the kernel (where it builds) and on torch's path."""
-    if request.param == "kernel" and top_k_cpu.kernel() is None:
-        pytest.skip("the CPU kernels are off")
-    if request.param == "torch":
-        monkeypatch.setattr(top_k_cpu, "kernel", lambda: None)
-    return str(request.param)
+    return kernel_or_torch(request, monkeypatch, "kernel")
 
 
 def logits_with_edges(rows: int, vocab: int) -> torch.Tensor:
