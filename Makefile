@@ -1,14 +1,15 @@
 # make install: .venv with everything; make serve: the service.
 # make test: lint, types and the quick tier (every test not marked slow: unit, API, engine, one real
-# Serve app); make test-all: lint, types and every test (soak, overload, faults, fuzzing, Locust,
-# the cluster, Prometheus, the browser) but the four benchmark runs of make test-benchmarks. All
-# print the 15 slowest tests.
+# Serve app); make test-all (CI): lint, types and every test (a 2-minute soak, overload, faults,
+# fuzzing, Locust, a two-node cluster, Prometheus, the browser) but the scenarios of many minutes of
+# make test-long (the 5-minute soak, the cluster's autoscaling, rollouts and node loss) and the five
+# benchmark runs of make test-benchmarks. All print the 15 slowest tests.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-all test-benchmarks lint typecheck serve
+.PHONY: install test test-all test-long test-benchmarks lint typecheck serve
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -32,7 +33,11 @@ test: lint typecheck
 	$(PYTEST) -m "not slow and not benchmarks"
 
 test-all: lint typecheck
-	$(PYTEST) -m "not benchmarks"
+	$(PYTEST) -m "not benchmarks and not long"
+
+# The scenarios whose time swings with the machine's load (tests/conftest.py LONG_TIER): 15-25 minutes.
+test-long: $(STAMP)
+	$(PYTEST) -m long
 
 # The benchmark commands whose quickest form takes minutes (tests/conftest.py BENCHMARK_TIER).
 test-benchmarks: $(STAMP)
