@@ -97,6 +97,7 @@ class Result:
     error: str | None  # None: a complete, well-formed answer
     body: dict[str, Any] = field(default_factory=dict)  # what was sent
     text: str = ""  # a completion's text (a stream's: its frames' text joined)
+    retries: int = 0  # sent again after a connection closed before any answer (never_answered)
 
 
 @dataclass
@@ -198,6 +199,19 @@ async def request(http: httpx.AsyncClient, kind: str, rng: random.Random, max_to
     )
 
 
+CLIENT_RETRIES = 2  # the openai client's default max_retries, which it spends on connection errors
+
+
+def never_answered(failure: Exception) -> bool:
+    """A connection refused, or closed before any byte of an answer: what the openai client sends
+    again. Here that is a Serve proxy stopped while the kernel still queued connections for it: Serve
+    drains the proxy of a node left without replicas (a rollout can leave one so), and both nodes'
+    proxies listen on one port of this machine, where in production a load balancer stops sending to a
+    proxy whose health check fails (Serve's draining proxies answer 503 there)."""
+    closed_early = isinstance(failure, httpx.RemoteProtocolError) and "without sending a response" in str(failure)
+    return isinstance(failure, httpx.ConnectError) or closed_early
+
+
 async def client(
     http: httpx.AsyncClient, kind: str, seed: int, load: Load, timeline: Timeline, t0: float, stop: asyncio.Event, answered: asyncio.Event
 ) -> None:
@@ -206,10 +220,17 @@ async def client(
         if stop.is_set():
             return
         start = time.monotonic() - t0
-        try:
-            result = await request(http, kind, rng, load.max_tokens)
-        except (httpx.HTTPError, SSEError, ValueError, KeyError, IndexError, TypeError) as failure:
-            result = Result(kind, 0, 0, 0, repr(failure))
+        state = rng.getstate()  # a retry sends the same request
+        for retries in range(CLIENT_RETRIES + 1):
+            rng.setstate(state)
+            try:
+                result = await request(http, kind, rng, load.max_tokens)
+            except (httpx.HTTPError, SSEError, ValueError, KeyError, IndexError, TypeError) as failure:
+                result = Result(kind, 0, 0, 0, repr(failure))
+                if never_answered(failure) and retries < CLIENT_RETRIES:
+                    continue
+            break
+        result.retries = retries
         result.start, result.end = start, time.monotonic() - t0
         timeline.results.append(result)
         answered.set()
@@ -323,6 +344,7 @@ def summary(timeline: Timeline) -> dict[str, Any]:
         "by_kind": {k: sum(r.kind == k for r in timeline.results) for k in ("stream", "completion", "translate")},
         "statuses": statuses,
         "failures": len(timeline.failures()),
+        "sent_again": sum(r.retries for r in timeline.results),  # never_answered, as the openai client does
     }
 
 
