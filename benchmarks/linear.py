@@ -13,7 +13,11 @@ The paths take turns on the same inputs, best of 3; prints milliseconds per pass
 the speed-ups. With --json the last line is one object: packed_speedup_<rows> and
 projection_speedup_<rows> (PackedLinear, as the engine runs it, over plain) and
 panel_vs_onednn_<rows> (the panel kernel over oneDNN, the layers; where the kernel is built and
---threads is 1). --quick (rows 1 and 16, 2 passes, best of 1) checks the script.
+--threads is 1); the same layers quantized to int8 (model/quantize.py Int8Linear, the output
+projection included): int8_kernel_vs_gemms_<rows> (its C kernel over its GEMMs, the two paths
+INT8_KERNEL_ROWS chooses between; where the kernel is built) and int8_vs_packed_<rows> (int8 as
+the engine runs it over float32 PackedLinear). --quick (rows 1 and 16, 2 passes, best of 1)
+checks the script.
 """
 
 import argparse
@@ -26,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from model.packed_linear import PackedLinear, packed_product, panel_product, panel_rows_limit, panels_apply
+from model.quantize import Int8Linear, int8_kernel_built
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
 QUICK_ROWS = (1, 16)
@@ -76,9 +81,13 @@ def main() -> None:
     packed = [PackedLinear(layer.weight, None) for layer in plain]
     embedding = torch.randn(vocab, d_model) * 0.02
     projection = PackedLinear(embedding, None)
-    with_panels = panels_apply()
+    int8 = [Int8Linear(layer.weight, None) for layer in plain] + [Int8Linear(embedding, None)]
+    with_panels, with_int8_kernel = panels_apply(), int8_kernel_built()
     results: dict[str, object] = {"threads": args.threads, "shapes": args.shapes, "panel_kernel": with_panels}
-    print(f"{'rows':>5} {'plain ms':>9} {'oneDNN ms':>10} {'panels ms':>10} {'packed speed-up':>16} {'projection speed-up':>20}")
+    print(
+        f"{'rows':>5} {'plain ms':>9} {'oneDNN ms':>10} {'panels ms':>10} {'packed speed-up':>16} {'projection speed-up':>20}"
+        f" {'int8 kernel/GEMMs':>18} {'int8/packed':>12}"
+    )
     with torch.inference_mode():
         for rows in rows_run:
             inputs = {n_in: torch.randn(rows, n_in) for _, n_in in layer_shapes}
@@ -100,8 +109,18 @@ def main() -> None:
             projection_ms = best_ms(lambda: projection(h), passes, repeats)  # noqa: B023
             results[f"packed_speedup_{rows}"] = round(plain_ms / packed_ms, 2)
             results[f"projection_speedup_{rows}"] = round(tied_ms / projection_ms, 2)
+            int8_inputs = [inputs[n_in] for _, n_in in shapes] + [h]
+            int8_ms = best_ms(lambda: [layer(x) for layer, x in zip(int8, int8_inputs, strict=True)], passes, repeats)  # noqa: B023
+            results[f"int8_vs_packed_{rows}"] = round((packed_ms + projection_ms) / int8_ms, 2)
+            by_kernel = "-"
+            if with_int8_kernel:
+                gemms_ms = best_ms(lambda: [layer.by_gemms(x) for layer, x in zip(int8, int8_inputs, strict=True)], passes, repeats)  # noqa: B023
+                kernel_ms = best_ms(lambda: [layer.by_kernel(x) for layer, x in zip(int8, int8_inputs, strict=True)], passes, repeats)  # noqa: B023
+                results[f"int8_kernel_vs_gemms_{rows}"] = round(gemms_ms / kernel_ms, 2)
+                by_kernel = f"{gemms_ms / kernel_ms:.2f}"
             print(
                 f"{rows:>5} {plain_ms:>9.3f} {onednn_ms:>10.3f} {panels:>10} {plain_ms / packed_ms:>16.2f} {tied_ms / projection_ms:>20.2f}"
+                f" {by_kernel:>18} {(packed_ms + projection_ms) / int8_ms:>12.2f}"
             )
     if args.json:
         print(json.dumps(results))

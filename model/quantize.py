@@ -7,11 +7,13 @@ layer of a float32 model, and the output projection, in one of two kinds:
     q4_0, q4_1   4-bit weights, a scale (and a min) per 32 (4.5 / 5 bits)
 
 int8's sums are exact and every scale belongs to one row or one output channel, so a row's output
-does not depend on the other rows of its batch, and the few rows of a decode step (the C kernel
-int8_linear: AVX-512 VNNI or AVX2 dot products over the whole row) compute what the many rows of a
-prompt or a beam batch compute (torch._int_mm where it is fast, on AVX-512; elsewhere float32 GEMMs
-over int8 values, exact since every product and partial sum is an integer below 2^24). Whole-row
-integer sums make many rows fast, where the block types convert every 32 products to float.
+does not depend on the other rows of its batch, and the rows of a decode step (the C kernel
+int8_linear, which quantizes them itself: the weights interleaved in groups of 8 output channels,
+8 sums a vector, AVX-512 VNNI or AVX2 dot products; on AVX2 up to 256 rows) compute what the many
+rows of a prompt or a beam batch compute (torch._int_mm where it is fast, on AVX-512; elsewhere
+float32 GEMMs over int8 values, exact since every product and partial sum is an integer below
+2^24). Whole-row integer sums make many rows fast, where the block types convert every 32 products
+to float.
 
 The block types' quantizers are the gguf package's (llama.cpp's reference rounding), so a model
 quantized here holds what llama.cpp's converter would write. Activations (but int8's, and the
@@ -40,7 +42,10 @@ INT8_MAX = 127
 # Float32 holds every integer up to 2^24 exactly; a sum of K int8 products is at most 127^2 K.
 EXACT_FLOAT_K = 2**24 // INT8_MAX**2  # 1040
 INT_MM_IS_FAST = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-INT8_KERNEL_ROWS = 16  # up to this many rows a call go through the C kernel (past them, the GEMMs)
+# Up to this many rows a call go through the C kernel, past them the GEMMs: torch._int_mm's on
+# AVX-512; on AVX2 the float32 GEMMs, which convert the weights at every call and which the
+# kernel beat at every shape of the shipped models up to 256 rows (benchmarks.int8_rows).
+INT8_KERNEL_ROWS = 16 if INT_MM_IS_FAST else 256
 
 
 def int8_matmul(a: Tensor, b: Tensor, use_int_mm: bool = INT_MM_IS_FAST) -> Tensor:
@@ -69,7 +74,7 @@ def _int8_kernel() -> Callable[..., int] | None:
     available = cpu_kernels.load_function("block_linear_q8_available", ctypes.c_int, [])
     if available is None or not available():
         return None
-    return cpu_kernels.load_function("int8_linear", ctypes.c_int, [pointer] * 6 + [size] * 3)
+    return cpu_kernels.load_function("int8_linear", ctypes.c_int, [pointer] * 5 + [size] * 3)
 
 
 def _int8_kernel_built() -> bool:
@@ -79,25 +84,43 @@ def _int8_kernel_built() -> bool:
 int8_kernel_built: Callable[[], bool] = torch.compiler.assume_constant_result(_int8_kernel_built)  # a constant to tracing
 
 
-def int8_rows_product(quantized: Tensor, row_scale: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    """(N, in) int8 rows with their scales (N, 1) times the int8 weight (out, in) with its scales
-    (1, out), plus bias: (N, out) float32 by the C kernel, equal to int8_matmul's path."""
+def interleave_int8(weight: Tensor) -> Tensor:
+    """(out, in) int8, in a multiple of BLOCK -> (ceil(out / 8), in / BLOCK, 8, 8, 4): the C kernel's
+    layout, groups of 8 rows (the last padded with zero rows), each block of a group as 8 granules of
+    the 8 rows' 4 weights: [G, b, g, l, j] = weight[8G + l, BLOCK b + 4g + j]."""
+    out, in_features = weight.shape
+    padded = torch.cat([weight, weight.new_zeros(-out % 8, in_features)])  # (8 ceil(out / 8), in)
+    return padded.view(-1, 8, in_features // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def int8_rows_product(rows: Tensor, weight_x8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    """(N, in) float32 rows, each quantized to int8 with its own scale as _quantized_rows does, times
+    the int8 weight (out, in) laid out by interleave_int8 with its scales (1, out), plus bias:
+    (N, out) float32 by the C kernel, equal to int8_matmul's path."""
     kernel = _int8_kernel()
     assert kernel is not None, "int8_rows_product without its kernel"
-    n, in_features = quantized.shape
-    if weight.dtype != torch.int8 or weight.shape[1] != in_features or in_features % BLOCK or scale.numel() != weight.shape[0]:
-        raise ValueError(f"int8_linear: weight (out, {in_features}) int8, in a multiple of {BLOCK}, a scale per output")
-    y = torch.empty(n, weight.shape[0])
+    n, in_features = rows.shape
+    out = scale.numel()
+    if rows.dtype != torch.float32:
+        raise ValueError("int8_linear: rows (N, in) float32")
+    if weight_x8.dtype != torch.int8 or weight_x8.shape != ((out + 7) // 8, in_features // BLOCK, 8, 8, 4) or in_features % BLOCK:
+        raise ValueError(f"int8_linear: weight (out, {in_features}) int8 as interleave_int8 lays it out, in a multiple of {BLOCK}")
+    if scale.dtype != torch.float32:
+        raise ValueError("int8_linear: a float32 scale per output")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out):
+        raise ValueError(f"int8_linear: bias ({out},) float32")
+    y = torch.empty(n, out)
     # Each pointer's tensor held in a name until the kernel returns (a temporary's memory would be freed).
-    rows, xscale, wscale = quantized.contiguous(), row_scale.reshape(-1).contiguous(), scale.reshape(-1).contiguous()
-    bias_pointer = None if bias is None else bias.data_ptr()
-    args = (rows.data_ptr(), xscale.data_ptr(), weight.data_ptr(), wscale.data_ptr(), bias_pointer, y.data_ptr())
-    kernel(*args, n, in_features, weight.shape[0])
+    x, weights, wscale = rows.contiguous(), weight_x8.contiguous(), scale.reshape(-1).contiguous()
+    bias_values = None if bias is None else bias.contiguous()
+    bias_pointer = None if bias_values is None else bias_values.data_ptr()
+    if kernel(x.data_ptr(), weights.data_ptr(), wscale.data_ptr(), bias_pointer, y.data_ptr(), n, in_features, out) != 0:
+        raise MemoryError("int8_linear: no memory for the quantized rows")
     return y
 
 
-def _int8_shape(quantized: Tensor, row_scale: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    return row_scale.new_empty(quantized.shape[0], weight.shape[0])
+def _int8_shape(rows: Tensor, weight_x8: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+    return rows.new_empty(rows.shape[0], scale.numel())
 
 
 int8_rows = cpu_kernels.register_operator("int8_linear", int8_rows_product, _int8_shape)
@@ -106,7 +129,7 @@ int8_rows = cpu_kernels.register_operator("int8_linear", int8_rows_product, _int
 class Int8Linear(nn.Module):
     """y = x W^T + b with W (out, in) stored as int8 plus one float scale per output channel."""
 
-    weight: Tensor
+    weight_x8: Tensor | None
     weight_t: Tensor
     scale: Tensor
     bias: Tensor | None
@@ -115,12 +138,12 @@ class Int8Linear(nn.Module):
         super().__init__()
         scale = _row_scales(weight.detach().float())  # (out, 1)
         quantized = torch.round(weight.detach().float() / scale).to(torch.int8)  # (out, in)
-        self.register_buffer("weight", quantized)  # (out, in): the kernel's layout
+        self.in_features, self.out_features = quantized.shape[1], quantized.shape[0]
+        self.kernel_applies = self.in_features % BLOCK == 0
+        self.register_buffer("weight_x8", interleave_int8(quantized) if self.kernel_applies else None)  # the kernel's layout
         self.register_buffer("weight_t", quantized.T.contiguous())  # (in, out), the layout the GEMM reads
         self.register_buffer("scale", scale.T.contiguous())  # (1, out)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.in_features, self.out_features = quantized.shape[1], quantized.shape[0]
-        self.kernel_applies = self.in_features % BLOCK == 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
@@ -129,15 +152,26 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., in) float32. Returns (..., out) float32."""
         rows = x.reshape(-1, self.in_features)  # (N, in)
-        row_scale = _row_scales(rows)  # (N, 1)
-        quantized = torch.round(rows / row_scale).to(torch.int8)  # (N, in)
-        if self.kernel_applies and rows.shape[0] <= INT8_KERNEL_ROWS and x.device.type == "cpu" and int8_kernel_built():
-            y = int8_rows(quantized, row_scale, self.weight, self.scale, self.bias)  # an operation under torch.compile
-        else:
-            y = int8_matmul(quantized, self.weight_t) * (row_scale * self.scale)  # (N, out): exact sums, rescaled
-            if self.bias is not None:
-                y = y + self.bias
+        kernel = self.kernel_applies and rows.shape[0] <= INT8_KERNEL_ROWS and x.device.type == "cpu" and int8_kernel_built()
+        y = self.by_kernel(rows) if kernel else self.by_gemms(rows)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def by_kernel(self, rows: Tensor) -> Tensor:
+        """rows (N, in) float32 -> (N, out) by the C kernel (an operation under torch.compile)."""
+        assert self.weight_x8 is not None, "by_kernel where the kernel does not apply"
+        return int8_rows(rows, self.weight_x8, self.scale, self.bias)  # the rows quantized in the kernel
+
+    def by_gemms(self, rows: Tensor) -> Tensor:
+        """rows (N, in) float32 -> (N, out) by int8_matmul: the same numbers as by_kernel."""
+        quantized, row_scale = _quantized_rows(rows)
+        y = int8_matmul(quantized, self.weight_t) * (row_scale * self.scale)  # (N, out): exact sums, rescaled
+        return y if self.bias is None else y + self.bias
+
+
+def _quantized_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """rows (N, K) float32 -> (N, K) int8 and (N, 1) float32 scales: each row by its own largest magnitude."""
+    row_scale = _row_scales(rows)  # (N, 1)
+    return torch.round(rows / row_scale).to(torch.int8), row_scale
 
 
 def _quantized(linear: nn.Linear, quantization: Quantization) -> nn.Module:

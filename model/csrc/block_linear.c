@@ -16,6 +16,7 @@
  * feeds several multiply-adds; sums are in float32. Written with gcc's vector extensions, built with
  * -march=native by model/cpu_kernels.py; used by model/block_quant.py. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Sums in the order written (no reassociation, which -ffast-math allows): a row's output is then the
@@ -422,7 +423,18 @@ static inline __attribute__((always_inline)) void q8_typed_linear(int type, cons
 }
 #endif
 
+/* Int8 weights with one scale per output channel, as CTranslate2's (model/quantize.py Int8Linear):
+ * y (rows, out) = (xq w^T) (xscale[r] wscale[o]) + bias, x (rows, in) float32 quantized here to xq
+ * int8 with a scale per row (quantize_row_int8), in a multiple of BLOCK, weights in [-127, 127]. The weights interleaved in groups of 8 output rows
+ * (the last group padded with zero rows), as the Q8_0_X8 blocks below lay out theirs but without
+ * block scales: group G's block b is 8 granules g of 8 rows' 4 bytes, w_x8[G][b][g][l][j] =
+ * w[8G + l][32b + 4g + j] (model/quantize.py interleave_int8). One vector of 8 int32 lanes holds 8
+ * outputs' sums: each weight vector is read once for INT8_ROWS rows, against each row's 4 activation
+ * bytes broadcast, with no horizontal sum; the sums are exact, so this computes what torch._int_mm's
+ * path computes, then the scales as the GEMM path applies them. */
 #if defined(__AVX2__)
+#define INT8_ROWS 8 /* 8 accumulators beside the weight vector and its temporaries: 16 registers */
+
 /* acc + 8 int32 sums of 4 products each of unsigned u and signed s bytes. */
 static inline __m256i dot_bytes_add(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -432,49 +444,98 @@ static inline __m256i dot_bytes_add(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-static inline __attribute__((always_inline)) void int8_rows_dot(int R, const int8_t *xq, const float *xscale, const int8_t *w_row,
-                                                                float wscale, const float *bias, float *y, int64_t in, int64_t out,
-                                                                int64_t o) {
-    __m256i acc[Q8_ROW_GROUP];
+/* Outputs o..o+7 (group `group`'s rows, those below `out`) for R rows (a constant where inlined). */
+static inline __attribute__((always_inline)) void int8_group(int R, const int8_t *xq, const float *xscale, const int8_t *group,
+                                                             const float *wscale, const float *bias, float *y, int64_t in,
+                                                             int64_t out, int64_t o) {
+    __m256i acc[INT8_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < in; k += BLOCK) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w_row + k)), u = _mm256_sign_epi8(q, q);
-        for (int r = 0; r < R; r++)
-            acc[r] = dot_bytes_add(acc[r], u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + r * in + k)), q));
+    for (int64_t k = 0; k < in; k += 4) { /* a granule: 4 weights of each of the 8 rows */
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(group + 8 * k)), u = _mm256_sign_epi8(w, w); /* |w| */
+        for (int r = 0; r < R; r++) {
+            int32_t x;
+            memcpy(&x, xq + r * in + k, sizeof(x));
+            acc[r] = dot_bytes_add(acc[r], u, _mm256_sign_epi8(_mm256_set1_epi32(x), w)); /* |w| against x signed as w */
+        }
     }
+    const int64_t n = out - o < 8 ? out - o : 8;
     for (int r = 0; r < R; r++) {
-        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-        const float sum = (float)_mm_cvtsi128_si32(s) * (xscale[r] * wscale); /* exact int32 sum, then the scales */
-        y[r * out + o] = bias != NULL ? sum + bias[o] : sum;
+        int32_t sums[8];
+        _mm256_storeu_si256((__m256i *)sums, acc[r]);
+        for (int64_t j = 0; j < n; j++) {
+            float sum = (float)sums[j] * (xscale[r] * wscale[o + j]); /* exact int32 sum, then the scales */
+            __asm__("" : "+x"(sum)); /* rounded before the bias, as the GEMM path rounds it: no fused multiply-add */
+            y[r * out + o + j] = bias != NULL ? sum + bias[o + j] : sum;
+        }
     }
 }
 #endif
 
-/* Int8 weights with one scale per output channel, as CTranslate2's (model/quantize.py Int8Linear):
- * y (rows, out) = (xq w^T) (xscale[r] wscale[o]) + bias, xq (rows, in) int8 with a scale per row,
- * w (out, in) int8, in a multiple of BLOCK, values in [-127, 127]. The int32 sums are exact, so this
- * computes what torch._int_mm's path computes. Returns 0, or -1 where this build has no such kernel. */
-int int8_linear(const int8_t *xq, const float *xscale, const int8_t *w, const float *wscale, const float *bias, float *y, int64_t rows,
-                int64_t in, int64_t out) {
+/* x (in floats) to q (int8) and its scale, as model/quantize.py's _quantized_rows computes them:
+ * scale = max(max |x|, 1e-12) / 127, q = x / scale rounded to nearest, ties to even. True divisions
+ * (no reciprocal, which -ffast-math would allow), so both paths hold the same bytes. A row holding
+ * a NaN or an infinity (seen on the bits: -ffast-math assumes there are none) gets a NaN scale and
+ * zeros, so its outputs are NaN, as the GEMM path's are. */
+#if defined(__AVX2__)
+#pragma GCC push_options
+#pragma GCC optimize("no-reciprocal-math")
+static void quantize_row_int8(const float *x, int64_t in, int8_t *q, float *scale) {
+    float amax = 0.0f;
+    uint32_t special = 0;
+    for (int64_t k = 0; k < in; k++) {
+        uint32_t bits;
+        memcpy(&bits, x + k, sizeof(bits));
+        special |= (bits & 0x7f800000u) == 0x7f800000u;
+        const float a = __builtin_fabsf(x[k]);
+        amax = a > amax ? a : amax;
+    }
+    if (special) {
+        const uint32_t nan_bits = 0x7fc00000u;
+        memcpy(scale, &nan_bits, sizeof(*scale));
+        memset(q, 0, (size_t)in);
+        return;
+    }
+    const float d = (amax > 1e-12f ? amax : 1e-12f) / 127.0f;
+    *scale = d;
+    for (int64_t k = 0; k < in; k++) q[k] = (int8_t)__builtin_rintf(x[k] / d);
+}
+#pragma GCC pop_options
+#endif
+
+/* The int8 product above, w_x8 in groups of 8 rows (out rounded up to a multiple of 8). Returns 0,
+ * -1 where this build has no such kernel or in is not a multiple of BLOCK, -2 where memory ran out. */
+int int8_linear(const float *x, const int8_t *w_x8, const float *wscale, const float *bias, float *y, int64_t rows, int64_t in, int64_t out) {
 #if defined(__AVX2__)
     if (in % BLOCK) return -1;
-    for (int64_t o = 0; o < out; o++)
-        for (int64_t r = 0; r < rows; r += Q8_ROW_GROUP) {
-            const int64_t n = rows - r < Q8_ROW_GROUP ? rows - r : Q8_ROW_GROUP;
+    int8_t *xq = malloc((size_t)(rows * in));
+    float *xscale = malloc((size_t)rows * sizeof(float));
+    if (xq == NULL || xscale == NULL) {
+        free(xq), free(xscale);
+        return -2;
+    }
+    for (int64_t r = 0; r < rows; r++) quantize_row_int8(x + r * in, in, xq + r * in, xscale + r);
+    for (int64_t o = 0; o < out; o += 8) {
+        const int8_t *group = w_x8 + o * in;
+        for (int64_t r = 0; r < rows; r += INT8_ROWS) {
+            const int64_t n = rows - r < INT8_ROWS ? rows - r : INT8_ROWS;
             const int8_t *xr = xq + r * in;
             float *yr = y + r * out;
             switch (n) {
-            case 4: int8_rows_dot(4, xr, xscale + r, w + o * in, wscale[o], bias, yr, in, out, o); break;
-            case 3: int8_rows_dot(3, xr, xscale + r, w + o * in, wscale[o], bias, yr, in, out, o); break;
-            case 2: int8_rows_dot(2, xr, xscale + r, w + o * in, wscale[o], bias, yr, in, out, o); break;
-            default: int8_rows_dot(1, xr, xscale + r, w + o * in, wscale[o], bias, yr, in, out, o); break;
+            case 8: int8_group(8, xr, xscale + r, group, wscale, bias, yr, in, out, o); break;
+            case 7: int8_group(7, xr, xscale + r, group, wscale, bias, yr, in, out, o); break;
+            case 6: int8_group(6, xr, xscale + r, group, wscale, bias, yr, in, out, o); break;
+            case 5: int8_group(5, xr, xscale + r, group, wscale, bias, yr, in, out, o); break;
+            case 4: int8_group(4, xr, xscale + r, group, wscale, bias, yr, in, out, o); break;
+            case 3: int8_group(3, xr, xscale + r, group, wscale, bias, yr, in, out, o); break;
+            case 2: int8_group(2, xr, xscale + r, group, wscale, bias, yr, in, out, o); break;
+            default: int8_group(1, xr, xscale + r, group, wscale, bias, yr, in, out, o); break;
             }
         }
+    }
+    free(xq), free(xscale);
     return 0;
 #else
-    (void)xq, (void)xscale, (void)w, (void)wscale, (void)bias, (void)y, (void)rows, (void)in, (void)out;
+    (void)x, (void)w_x8, (void)wscale, (void)bias, (void)y, (void)rows, (void)in, (void)out;
     return -1;
 #endif
 }

@@ -33,8 +33,7 @@ int block_group_rows(int64_t type);
 void quantize_rows_q8(const float *x, int64_t rows, int64_t in, int8_t *xq, float *xd, float *xs, int64_t type);
 int block_linear_q8(const int8_t *xq, const float *xd, const float *xs, const uint8_t *w, const float *bias, float *y, int64_t rows,
                     int64_t in, int64_t out, int64_t type);
-int int8_linear(const int8_t *xq, const float *xscale, const int8_t *w, const float *wscale, const float *bias, float *y, int64_t rows,
-                int64_t in, int64_t out);
+int int8_linear(const float *x, const int8_t *w_x8, const float *wscale, const float *bias, float *y, int64_t rows, int64_t in, int64_t out);
 }
 
 namespace {
@@ -131,24 +130,24 @@ at::Tensor block_linear_kernel(const at::Tensor &input, const at::Tensor &blocks
     return y;
 }
 
-/* y (N, out) = (quantized W^T) (row_scale scale) + bias, quantized (N, in) int8 with row_scale (N, 1),
- * W (out, in) int8 with a scale per output: int8_rows_product's contract (model/quantize.py). */
-at::Tensor int8_linear_kernel(const at::Tensor &quantized_rows, const at::Tensor &row_scale, const at::Tensor &weight, const at::Tensor &scale,
-                              const std::optional<at::Tensor> &bias) {
-    TORCH_CHECK_VALUE(quantized_rows.dim() == 2 && quantized_rows.scalar_type() == at::kChar, "int8_linear: rows (N, in) int8");
-    const int64_t n = quantized_rows.size(0), in = quantized_rows.size(1), out = weight.dim() == 2 ? weight.size(0) : -1;
-    TORCH_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar && weight.size(1) == in && in % 32 == 0 &&
-                          in > 0,
-                      "int8_linear: weight (out, ", in, ") contiguous int8, in a multiple of 32");
-    TORCH_CHECK_VALUE(scale.scalar_type() == at::kFloat && scale.numel() == out, "int8_linear: a float32 scale per output");
-    TORCH_CHECK_VALUE(row_scale.scalar_type() == at::kFloat && row_scale.numel() == n, "int8_linear: a float32 scale per row");
+/* y (N, out) = (x quantized by rows) W^T (row scale, scale) + bias, x (N, in) float32, W (out, in)
+ * int8 as interleave_int8 lays it out, (ceil(out / 8), in / 32, 8, 8, 4), with a scale per output:
+ * int8_rows_product's contract (model/quantize.py). */
+at::Tensor int8_linear_kernel(const at::Tensor &rows, const at::Tensor &weight_x8, const at::Tensor &scale, const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK_VALUE(rows.dim() == 2 && rows.scalar_type() == at::kFloat, "int8_linear: rows (N, in) float32");
+    const int64_t n = rows.size(0), in = rows.size(1), out = scale.numel();
+    const bool laid_out = weight_x8.dim() == 5 && weight_x8.size(0) == (out + 7) / 8 && weight_x8.size(1) * 32 == in && weight_x8.size(2) == 8 &&
+                          weight_x8.size(3) == 8 && weight_x8.size(4) == 4;
+    TORCH_CHECK_VALUE(laid_out && weight_x8.is_contiguous() && weight_x8.scalar_type() == at::kChar && in % 32 == 0 && in > 0,
+                      "int8_linear: weight (out, ", in, ") contiguous int8 as interleave_int8 lays it out, in a multiple of 32");
+    TORCH_CHECK_VALUE(scale.scalar_type() == at::kFloat && out > 0, "int8_linear: a float32 scale per output");
     TORCH_CHECK_VALUE(!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == out),
                       "int8_linear: bias (out,) contiguous float32");
-    const at::Tensor rows = quantized_rows.contiguous(), xscale = row_scale.reshape(-1).contiguous(), wscale = scale.reshape(-1).contiguous();
-    at::Tensor y = at::empty({n, out}, xscale.options());
-    const int status = int8_linear(rows.const_data_ptr<int8_t>(), xscale.const_data_ptr<float>(), weight.const_data_ptr<int8_t>(),
-                                   wscale.const_data_ptr<float>(), bias.has_value() ? bias->const_data_ptr<float>() : nullptr,
-                                   y.mutable_data_ptr<float>(), n, in, out);
+    const at::Tensor x = rows.contiguous(), wscale = scale.reshape(-1).contiguous();
+    at::Tensor y = at::empty({n, out}, x.options());
+    const int status = int8_linear(x.const_data_ptr<float>(), weight_x8.const_data_ptr<int8_t>(), wscale.const_data_ptr<float>(),
+                                   bias.has_value() ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), n, in, out);
+    TORCH_CHECK(status != -2, "int8_linear: no memory for the quantized rows");
     TORCH_CHECK(status == 0, "int8_linear: no such kernel in this build");
     return y;
 }

@@ -628,7 +628,7 @@ def test_the_block_kernels_built_for_each_vector_width_compute_the_reference(tar
     quantize_rows, linear_q8, int8 = library.quantize_rows_q8, library.block_linear_q8, library.int8_linear
     quantize_rows.restype, quantize_rows.argtypes = None, [pointer, size, size, pointer, pointer, pointer, size]
     linear_q8.restype, linear_q8.argtypes = ctypes.c_int, [pointer] * 6 + [size] * 4
-    int8.restype, int8.argtypes = ctypes.c_int, [pointer] * 6 + [size] * 3
+    int8.restype, int8.argtypes = ctypes.c_int, [pointer] * 5 + [size] * 3
     for rows in [1, 2, 3, 4, 5, 9]:
         x = torch.randn(rows, in_features)
         for ggml_type in [block_quant.Q8_0, block_quant.Q4_0, block_quant.Q4_1]:
@@ -644,7 +644,7 @@ def test_the_block_kernels_built_for_each_vector_width_compute_the_reference(tar
         xq = torch.round(x / row_scale).to(torch.int8)
         y = torch.empty(rows, out_features)
         bias = layer.bias
-        assert bias is not None
-        args = (xq.data_ptr(), row_scale.data_ptr(), layer.weight.data_ptr(), layer.scale.data_ptr(), bias.data_ptr(), y.data_ptr())
+        assert bias is not None and layer.weight_x8 is not None
+        args = (x.data_ptr(), layer.weight_x8.data_ptr(), layer.scale.data_ptr(), bias.data_ptr(), y.data_ptr())
         assert int8(*args, rows, in_features, out_features) == 0
-        assert torch.equal(y, (xq.float() @ layer.weight.float().T) * (row_scale * layer.scale) + bias)
+        assert torch.equal(y, (xq.float() @ layer.weight_t.float()) * (row_scale * layer.scale) + bias)

@@ -16,7 +16,15 @@ from model import cpu_kernels
 from model.block_quant import BlockLinear, q8_available, set_activation_bits
 from model.config import Quantization
 from model.generator import Generator
-from model.quantize import EXACT_FLOAT_K, GGML_TYPES, INT8_KERNEL_ROWS, Int8Linear, int8_matmul, int8_rows_product
+from model.quantize import (
+    EXACT_FLOAT_K,
+    GGML_TYPES,
+    INT8_KERNEL_ROWS,
+    Int8Linear,
+    int8_kernel_built,
+    int8_matmul,
+    int8_rows_product,
+)
 from model.translator import Translator
 from service.engine.offline import OfflineEngine
 from training.data import SHARED_DATA, read_lines, split_shakespeare
@@ -64,29 +72,48 @@ def test_a_rows_output_does_not_depend_on_its_batch(in_features: int) -> None:
             assert torch.equal(layer(rows[i : i + 1])[0], batched[i]), type(layer).__name__
         assert torch.equal(layer(rows[:5]), batched[:5])
     int8 = Int8Linear.from_linear(linear)
-    pieces = [int8(rows[:8]), int8(rows[8:])]  # the kernel's rows and the GEMMs' rows
-    assert torch.equal(torch.cat(pieces), int8(rows)) and torch.equal(pieces[0], int8(rows)[:8])
+    if int8_kernel_built():  # both paths on the same rows, and on rows the kernel's row groups split unevenly
+        many = torch.cat([rows] * 13)  # past INT8_KERNEL_ROWS wherever it lies: forward takes the GEMMs
+        assert len(many) > INT8_KERNEL_ROWS and torch.equal(int8.by_kernel(many), int8.by_gemms(many))
+        assert torch.equal(int8.by_kernel(many), int8(many)) and torch.equal(int8.by_kernel(rows[:11]), int8(rows)[:11])
+
+
+def test_the_int8_kernel_gives_a_row_with_a_nan_or_an_infinity_nan_outputs_and_leaves_the_others_alone() -> None:
+    if not int8_kernel_built():
+        pytest.skip("the int8 kernel is not built here")
+    torch.manual_seed(0)
+    layer = Int8Linear.from_linear(nn.Linear(64, 20))
+    rows = torch.randn(6, 64)
+    rows[1, 5], rows[3, 0], rows[4, 63] = float("nan"), float("inf"), float("-inf")
+    got = layer.by_kernel(rows)
+    assert torch.isnan(got[[1, 3, 4]]).all()
+    finite = [0, 2, 5]
+    assert torch.equal(got[finite], layer.by_gemms(rows[finite]))
 
 
 def test_the_cpp_int8_operator_equals_its_python_function_and_refuses_what_is_not_its_own() -> None:
     if "int8_linear" not in cpu_kernels.native_operators() or not q8_available():
         pytest.skip("the C++ operators or the int8 kernel are not built here")
     torch.manual_seed(0)
-    layer = Int8Linear.from_linear(nn.Linear(96, 40))
+    layer = Int8Linear.from_linear(nn.Linear(96, 44))  # 44 outputs: the last group of 8 padded
+    weight = layer.weight_x8
+    assert weight is not None
     operator = torch.ops.transformer_serving.int8_linear
-    for rows, bias in [(1, layer.bias), (5, None), (16, layer.bias)]:
-        quantized = torch.randint(-127, 128, (rows, 192), dtype=torch.int8)[:, ::2]  # not contiguous: both copy it
-        row_scale = torch.rand(rows, 1)
-        expected = int8_rows_product(quantized, row_scale, layer.weight, layer.scale, bias)
-        assert torch.equal(operator(quantized, row_scale, layer.weight, layer.scale, bias), expected)
-    quantized, row_scale = torch.randint(-127, 128, (2, 96), dtype=torch.int8), torch.rand(2, 1)
+    for n, bias in [(1, layer.bias), (5, None), (16, layer.bias), (19, layer.bias)]:
+        rows = torch.randn(n, 192)[:, ::2] * torch.rand(n, 1) * 10  # not contiguous: both copy it
+        layer.bias = bias
+        expected = int8_rows_product(rows, weight, layer.scale, bias)
+        assert torch.equal(operator(rows, weight, layer.scale, bias), expected)
+        assert torch.equal(expected, layer.by_gemms(rows))  # the GEMMs' numbers
+    rows = torch.randn(2, 96)
     for arguments, message in [
-        ((quantized.float(), row_scale, layer.weight, layer.scale, None), "rows"),
-        ((quantized[:, :64], row_scale, layer.weight, layer.scale, None), "weight"),
-        ((quantized, row_scale, layer.weight.float(), layer.scale, None), "weight"),
-        ((quantized, row_scale, layer.weight, layer.scale[:, :39], None), "scale per output"),
-        ((quantized, row_scale[:1], layer.weight, layer.scale, None), "scale per row"),
-        ((quantized, row_scale, layer.weight, layer.scale, torch.zeros(39)), "bias"),
+        ((rows.double(), weight, layer.scale, None), "rows"),
+        ((rows[:, :64], weight, layer.scale, None), "weight"),
+        ((rows, weight.float(), layer.scale, None), "weight"),
+        ((rows, layer.weight_t, layer.scale, None), "weight"),
+        ((rows, weight, layer.scale[:, :39], None), "weight"),
+        ((rows, weight, layer.scale.double(), None), "scale per output"),
+        ((rows, weight, layer.scale, torch.zeros(39)), "bias"),
     ]:
         with pytest.raises(ValueError, match=message):
             operator(*arguments)
