@@ -1,8 +1,8 @@
 # make install: .venv with everything; make serve: the service.
 # make test: lint, types and the quick tier (every test not marked slow: unit, API, engine, one real
-# Serve app); make test-all (CI): lint, types and every test (a 2-minute soak, overload, faults,
-# fuzzing, Locust, a two-node cluster, Prometheus, the browser) but the scenarios of many minutes of
-# make test-long (the 5-minute soak, the cluster's autoscaling, rollouts and node loss) and the five
+# Serve app); make test-all (CI): lint, types and every test (a 1-minute soak, overload, faults,
+# fuzzing, Locust, own models, Prometheus, the browser) but those of make test-long (two-node
+# clusters: autoscaling, rollouts, node loss; the 5-minute soak; AddressSanitizer) and the five
 # benchmark runs of make test-benchmarks. All print the 15 slowest tests.
 PYTHON ?= python3.11
 VENV := .venv
@@ -35,7 +35,7 @@ test: lint typecheck
 test-all: lint typecheck
 	$(PYTEST) -m "not benchmarks and not long"
 
-# The scenarios whose time swings with the machine's load (tests/conftest.py LONG_TIER): 15-25 minutes.
+# The scenarios whose time swings with the machine's load, and AddressSanitizer (tests/conftest.py LONG_TIER): 20-30 minutes.
 test-long: $(STAMP)
 	$(PYTEST) -m long
 

@@ -44,7 +44,8 @@ EXACT_FLOAT_K = 2**24 // INT8_MAX**2  # 1040
 INT_MM_IS_FAST = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 # Up to this many rows a call go through the C kernel, past them the GEMMs: torch._int_mm's on
 # AVX-512; on AVX2 the float32 GEMMs, which convert the weights at every call and which the
-# kernel beat at every shape of the shipped models up to 256 rows (benchmarks.int8_rows).
+# kernel beat 1.8-7.9x on the shipped models' layers at 1-256 rows (`python -m benchmarks.linear`,
+# int8_kernel_vs_gemms_<rows>; more rows not measured).
 INT8_KERNEL_ROWS = 16 if INT_MM_IS_FAST else 256
 
 

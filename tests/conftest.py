@@ -21,9 +21,9 @@ torch.set_num_threads(1)
 # with why; measured with `pytest --durations=0` on a 2-core machine. `make test` keeps the unit,
 # API and engine tests and one real Serve app (tests/service/test_smoke.py).
 FULL_TIER = {
-    "tests/cluster/": "a two-node Ray cluster: placement and token authentication (LONG_TIER: the rest)",
+    "tests/cluster/": "two-node Ray clusters (LONG_TIER)",
     "tests/engine/test_compiled_decode.py": "torch.compile of the decode step (about a minute of compilation)",
-    "tests/service/test_soak.py": "a 2-minute soak (LONG_TIER: the 5-minute one)",
+    "tests/service/test_soak.py": "a 1-minute soak (LONG_TIER: the 5-minute one)",
     "tests/service/test_faults.py": "a second Serve app whose replicas fail, stall and are killed (2 minutes)",
     "tests/service/test_overload.py": "bursts of 3x capacity",
     "tests/service/test_schema_fuzz.py": "schema fuzzing",
@@ -44,25 +44,25 @@ FULL_TIER = {
     "tests/api/test_memory.py": "12,000 requests: a soak in-process (30 s)",
     "tests/api/test_security.py::test_the_playground_sends_the_key_it_is_given": "the browser",
     "tests/api/test_playground_chat.py": "the browser",
-    "tests/model/test_kernels_asan.py": "the C kernels built with AddressSanitizer and their tests run under it",
+    "tests/model/test_kernels_asan.py": "the C kernels built with AddressSanitizer (LONG_TIER)",
     "tests/model/test_quantize.py::test_int8_translator_keeps_greedy_bleu_within": "BLEU on test_2016 twice (25 s)",
-    "tests/model/test_quantize.py::test_int8_generator_keeps_nats_per_char_within": "the validation split twice (1 minute)",
+    "tests/model/test_quantize.py::test_int8_generator_keeps_nats_per_char_within": "a quarter of the validation split twice (30 s)",
     "tests/model/test_export.py::test_peers_benchmark_translates_alike_in_every_system": "exports and runs every peer system (1 minute)",
 }
 
 
 # The scenarios that run for minutes on end or wait on a cluster's autoscaler and rollouts, whose time
-# on a loaded 2-core machine swung from 15 to 25 minutes between runs: `make test-long` runs them
-# (before a change to the service's draining, retries, autoscaling or deploy configs lands, and before
-# a release), `make test` and `make test-all` leave them out (marker `long`), keeping CI under 40
-# minutes. RELIABILITY.md's T8: a soak short in CI, long by hand.
+# on a loaded 2-core machine swung from 15 to 25 minutes between runs, and the AddressSanitizer build:
+# `make test-long` runs them (before a change to the C kernels, the service's draining, retries,
+# autoscaling or deploy configs lands, and before a release), `make test` and `make test-all` leave
+# them out (marker `long`), keeping CI under 40 minutes. RELIABILITY.md's T8: a soak short in CI,
+# long by hand.
 LONG_TIER = {
-    "tests/cluster/test_cluster.py::test_the_generator_scales_out": "autoscaling out and back in under load (2-9 minutes)",
-    "tests/cluster/test_cluster.py::test_the_replicas_panel": "reads the autoscaling run's series from Prometheus",
-    "tests/cluster/test_cluster.py::test_a_changed_config_rolls_out": "a rollout under load with a held stream (3 minutes)",
-    "tests/cluster/test_cluster.py::test_the_images_command": "the GPU config rolled out by the image's command (2-5 minutes)",
+    "tests/cluster/test_cluster.py": "a two-node cluster: placement, token authentication, autoscaling out and back in under load,"
+    " the replicas panel in Prometheus, a rollout with a held stream, the image's GPU config (10-20 minutes)",
     "tests/cluster/test_node_loss.py": "a second two-node cluster, its worker node killed under load (4-6 minutes)",
     "tests/service/test_soak.py::test_soak_with_cancelled_streams_leaks_nothing[5-minutes]": "the 5-minute soak, memory included",
+    "tests/model/test_kernels_asan.py": "the C kernels built with AddressSanitizer and their tests run under it (2.5 minutes)",
 }
 
 
@@ -107,7 +107,7 @@ OWN_SERVICE = (
 )
 LONGEST_FIRST = (
     "session-app",  # about 750 s: the soak, metrics, faults, lm-eval, Locust, fuzzing
-    "cluster",  # about 200 s in make test-all (one cluster), 15-25 minutes in make test-long
+    "cluster",  # make test-long only: 15-25 minutes
     "tests/test_benchmarks_run.py",  # about 340 s
     "tests/model/test_quantize.py",
     "tests/engine/test_compiled_decode.py",

@@ -1,7 +1,7 @@
 """The C kernels and their C++ operators built with AddressSanitizer (model/cpu_kernels.py
 SANITIZE_ENV), their equality and refusal tests run under it in a process that loads libasan first:
 no read or write outside their buffers. A call that reads past a tensor on purpose (the raw C
-function, past the wrapper's checks) shows that the sanitizer is watching. The full tier."""
+function, past the wrapper's checks) shows that the sanitizer is watching. `make test-long`."""
 
 import os
 import shutil

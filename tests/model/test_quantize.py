@@ -149,14 +149,18 @@ def validation_text() -> str:
 
 
 def test_int8_generator_keeps_nats_per_char_within_0_01_of_float32(validation_text: str) -> None:
+    """On the first quarter of the validation split (41,000 characters; the whole split took two
+    minutes of CI, and its float32 figure is the training's own report)."""
+    quarter = validation_text[: len(validation_text) // 4]
+
     def score(weights: WeightType) -> float:
         model, tokenizer = load_checkpoint(DEFAULT_GENERATOR, "cpu", weights)
         assert isinstance(model, Generator)
-        return nats_per_char(model, tokenizer, validation_text, torch.device("cpu"))["nats_per_char"]
+        return nats_per_char(model, tokenizer, quarter, torch.device("cpu"))["nats_per_char"]
 
     float32, int8 = score(torch.float32), score("int8")
-    print(f"nats/char on the validation split: float32 {float32:.6f}, int8 {int8:.6f}")
-    assert float32 < 1.42  # the shipped model
+    print(f"nats/char on the validation split's first quarter: float32 {float32:.6f}, int8 {int8:.6f}")
+    assert float32 < 1.0  # the shipped model (0.9466 on this quarter), not a broken load
     assert abs(int8 - float32) <= 0.01
 
 

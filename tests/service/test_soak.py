@@ -1,10 +1,10 @@
 """Soaks against the real service: mixed traffic, a fifth of the streams cancelled midway; nothing
 fails but the cancelled; descriptors and asyncio tasks of every process come back after the
-traffic. RELIABILITY.md's T8, short in CI and long by hand: the 2-minute soak runs in `make
+traffic. RELIABILITY.md's T8, short in CI and long by hand: the 1-minute soak runs in `make
 test-all`, the 5-minute one in `make test-long` (tests/conftest.py LONG_TIER), which also holds
 resident memory flat after warm-up (the ingress's too, since Ray's processes run with two malloc
 arenas: service/config.py). Python's allocator keeps growing, ever slower, for a few minutes: a
-2-minute run's slope would measure that, not a leak (tests/api/test_memory.py holds the HTTP
+1-minute run's slope would measure that, not a leak (tests/api/test_memory.py holds the HTTP
 layer's memory flat over 12,000 requests in `make test-all`)."""
 
 import asyncio
@@ -18,7 +18,7 @@ import pytest
 from loadtests.soak import SoakResult, report, soak
 from tests.helpers import APP_NAME, TEST_CONFIG
 
-SHORT_SOAK_S = 120.0
+SHORT_SOAK_S = 60.0
 LONG_SOAK_S = float(os.environ.get("SOAK_SECONDS", "300"))  # at least 5 minutes unless told otherwise
 DEPLOYMENTS = (*(m.name for m in TEST_CONFIG.models), "Ingress")
 PROCESSES = {*DEPLOYMENTS, *(f"{m.name}/engine" for m in TEST_CONFIG.models)}  # each model replica's engine process too
@@ -69,7 +69,7 @@ def _unsettled(result: SoakResult, warmup_s: float) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize(("seconds", "holds_memory_flat"), [(SHORT_SOAK_S, False), (LONG_SOAK_S, True)], ids=["2-minutes", "5-minutes"])
+@pytest.mark.parametrize(("seconds", "holds_memory_flat"), [(SHORT_SOAK_S, False), (LONG_SOAK_S, True)], ids=["1-minute", "5-minutes"])
 def test_soak_with_cancelled_streams_leaks_nothing(service_url: str, seconds: float, holds_memory_flat: bool) -> None:
     warmup_s = seconds / 2
     result = asyncio.run(soak(service_url, seconds, sample_stats, settled=lambda r: not _unsettled(r, warmup_s)))
