@@ -115,8 +115,10 @@ def int8_rows_product(rows: Tensor, weight_x8: Tensor, scale: Tensor, bias: Tens
     x, weights, wscale = rows.contiguous(), weight_x8.contiguous(), scale.reshape(-1).contiguous()
     bias_values = None if bias is None else bias.contiguous()
     bias_pointer = None if bias_values is None else bias_values.data_ptr()
-    if kernel(x.data_ptr(), weights.data_ptr(), wscale.data_ptr(), bias_pointer, y.data_ptr(), n, in_features, out) != 0:
+    status = kernel(x.data_ptr(), weights.data_ptr(), wscale.data_ptr(), bias_pointer, y.data_ptr(), n, in_features, out)
+    if status == -2:
         raise MemoryError("int8_linear: no memory for the quantized rows")
+    assert status == 0, "int8_linear: the kernel refused what the checks above let through"
     return y
 
 
@@ -140,8 +142,8 @@ class Int8Linear(nn.Module):
         scale = _row_scales(weight.detach().float())  # (out, 1)
         quantized = torch.round(weight.detach().float() / scale).to(torch.int8)  # (out, in)
         self.in_features, self.out_features = quantized.shape[1], quantized.shape[0]
-        self.kernel_applies = self.in_features % BLOCK == 0
-        self.register_buffer("weight_x8", interleave_int8(quantized) if self.kernel_applies else None)  # the kernel's layout
+        kernel_layout = interleave_int8(quantized) if self.in_features % BLOCK == 0 else None  # None: the kernel does not apply
+        self.register_buffer("weight_x8", kernel_layout)
         self.register_buffer("weight_t", quantized.T.contiguous())  # (in, out), the layout the GEMM reads
         self.register_buffer("scale", scale.T.contiguous())  # (1, out)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
@@ -153,7 +155,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x: (..., in) float32. Returns (..., out) float32."""
         rows = x.reshape(-1, self.in_features)  # (N, in)
-        kernel = self.kernel_applies and rows.shape[0] <= INT8_KERNEL_ROWS and x.device.type == "cpu" and int8_kernel_built()
+        kernel = self.weight_x8 is not None and rows.shape[0] <= INT8_KERNEL_ROWS and x.device.type == "cpu" and int8_kernel_built()
         y = self.by_kernel(rows) if kernel else self.by_gemms(rows)
         return y.view(*x.shape[:-1], self.out_features)
 
