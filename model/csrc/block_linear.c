@@ -450,6 +450,7 @@ static inline __attribute__((always_inline)) void int8_group(int R, const int8_t
                                                              int64_t out, int64_t o) {
     __m256i acc[INT8_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4 /* 1.19-1.7x over one granule a loop at 1 to 128 rows (the AMD EPYC, AVX2) */
     for (int64_t k = 0; k < in; k += 4) { /* a granule: 4 weights of each of the 8 rows */
         const __m256i w = _mm256_loadu_si256((const __m256i *)(group + 8 * k)), u = _mm256_sign_epi8(w, w); /* |w| */
         for (int r = 0; r < R; r++) {

@@ -95,6 +95,17 @@ def test_packed_linear_equals_the_plain_layer(shape: tuple[int, ...], out_featur
     assert torch.equal(packed.weight, plain.weight)
 
 
+@pytest.mark.parametrize("in_features", [1, 3, 5, 67, 258])  # the k loops take four at a time on AVX2: remainders of 1-3
+@pytest.mark.parametrize("rows", [2, 9, 13, 64])  # the row groups and the half panels
+def test_inputs_of_any_width_equal_the_plain_layer(rows: int, in_features: int) -> None:
+    torch.manual_seed(in_features)
+    plain = nn.Linear(in_features, 70)
+    packed = PackedLinear(plain.weight, plain.bias)
+    x = torch.randn(rows, in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 3, max_panel_rows()])
 def test_on_two_threads_onednn_takes_the_few_rows_and_equals_the_plain_layer(rows: int, two_threads: None) -> None:
     torch.manual_seed(0)
