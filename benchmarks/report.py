@@ -546,10 +546,11 @@ def both(figures: dict[str, dict[str, Any]], key: str, digits: int = 0) -> str:
     return " / ".join(figure(figures.get(system, {}).get(key), digits) for system in ("vllm", "ours"))
 
 
-def vs_vllm() -> str:
+def vs_vllm(name: str = "vs_vllm") -> str:
     """docs/performance.md: ours against vLLM's CPU build, scenario by scenario, with the ratios
-    ours / vLLM (the stall check: the streams' longest gap, and the long prompt's first token)."""
-    data = result("vs_vllm")
+    ours / vLLM (the stall check: the streams' longest gap, and the long prompt's first token),
+    from benchmarks/results/<name>.json."""
+    data = result(name)
     rows = []
     for scenario in data["scenarios"].values():
         figures, ratios = scenario["figures"], scenario["ratios"]
@@ -567,7 +568,8 @@ def vs_vllm() -> str:
             ]
         )
     header = ["work", "output tok/s, vLLM / ours", "ours / vLLM", "TTFT p50 ms, vLLM / ours", "ours / vLLM", "TTFT p99 ms", "failed"]
-    return table(header, rows) + measured_by(data, "python -m benchmarks.vs_vllm --json")
+    command = "python -m benchmarks.vs_vllm --json" + ("" if name == "vs_vllm" else f" benchmarks/results/{name}.json")
+    return table(header, rows) + measured_by(data, command)
 
 
 def vs_vllm_tiny(name: str = "vs_vllm_tiny") -> str:
@@ -713,6 +715,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "peers-targets": peers_targets,
     "peers-history": peers_history,
     "vs-vllm": vs_vllm,
+    "vs-vllm-avx2": lambda: vs_vllm("vs_vllm_avx2"),
     "vs-vllm-tiny": vs_vllm_tiny,
     "vs-vllm-tiny-avx2": lambda: vs_vllm_tiny("vs_vllm_tiny_avx2"),
     "vs-vllm-speculation": vs_vllm_speculation,

