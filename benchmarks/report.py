@@ -546,6 +546,11 @@ def both(figures: dict[str, dict[str, Any]], key: str, digits: int = 0) -> str:
     return " / ".join(figure(figures.get(system, {}).get(key), digits) for system in ("vllm", "ours"))
 
 
+def json_flag(name: str, default: str) -> str:
+    """The --json flag that writes benchmarks/results/<name>.json, where the command's default file is <default>.json."""
+    return "--json" if name == default else f"--json benchmarks/results/{name}.json"
+
+
 def vs_vllm(name: str = "vs_vllm") -> str:
     """docs/performance.md: ours against vLLM's CPU build, scenario by scenario, with the ratios
     ours / vLLM (the stall check: the streams' longest gap, and the long prompt's first token),
@@ -568,8 +573,7 @@ def vs_vllm(name: str = "vs_vllm") -> str:
             ]
         )
     header = ["work", "output tok/s, vLLM / ours", "ours / vLLM", "TTFT p50 ms, vLLM / ours", "ours / vLLM", "TTFT p99 ms", "failed"]
-    command = "python -m benchmarks.vs_vllm --json" + ("" if name == "vs_vllm" else f" benchmarks/results/{name}.json")
-    return table(header, rows) + measured_by(data, command)
+    return table(header, rows) + measured_by(data, "python -m benchmarks.vs_vllm " + json_flag(name, "vs_vllm"))
 
 
 def vs_vllm_tiny(name: str = "vs_vllm_tiny") -> str:
@@ -594,7 +598,7 @@ def vs_vllm_tiny(name: str = "vs_vllm_tiny") -> str:
         )
     header = ["work", "output tok/s, vLLM / ours", "ours / vLLM", "TTFT p50 ms, vLLM / ours", "ITL p50 ms, vLLM / ours", "ours / vLLM"]
     header += ["ours: engine step µs per sequence", "failed"]
-    return table(header, rows) + measured_by(data, "python -m benchmarks.vs_vllm --tiny --json")
+    return table(header, rows) + measured_by(data, "python -m benchmarks.vs_vllm --tiny " + json_flag(name, "vs_vllm_tiny"))
 
 
 def vs_vllm_speculation(name: str = "vs_vllm_speculation", flags: str = "") -> str:

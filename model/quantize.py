@@ -118,7 +118,8 @@ def int8_rows_product(rows: Tensor, weight_x8: Tensor, scale: Tensor, bias: Tens
     status = kernel(x.data_ptr(), weights.data_ptr(), wscale.data_ptr(), bias_pointer, y.data_ptr(), n, in_features, out)
     if status == -2:
         raise MemoryError("int8_linear: no memory for the quantized rows")
-    assert status == 0, "int8_linear: the kernel refused what the checks above let through"
+    if status != 0:  # not an assert: under python -O it would hand back y unwritten
+        raise RuntimeError(f"int8_linear: the kernel refused ({status}) what the checks above let through")
     return y
 
 
