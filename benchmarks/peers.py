@@ -41,12 +41,14 @@ a source's </s>); for a Hugging Face folder, its tokenizer's tokens (MarianToken
 
 Prints a table; with --json the last line is one JSON object: each figure, the ratios
 <work>_vs_<peer> (ours / peer, throughput; <work>_vs_<peer>_by_cpu from the work per CPU second),
-the same for our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py) and for
+the same for our int8 weights (<work>_int8_vs_<peer>, "ours_int8": model/quantize.py), for
 ours with the compiled decode step (<work>_compiled_vs_<peer>, "ours_compiled":
-service/engine/compiled_decode.py, compiled at every batch size up to the work's: in translation
-every row count up to the slots, 8 with --quick; its start, compiling and timing one size per
-power-of-two bucket, is
-<work>_start_seconds_ours_compiled), the BLEU of
+service/engine/compiled_decode.py, the service's default step, compiled at every row count a step
+decodes: in translation every row count up to the slots, 8 with --quick; in generation up to the
+engine's max_decode_rows, a verification of drafts computing a row per token, at most 64 as the
+service compiles; its start, compiling and timing one size per power-of-two bucket, is
+<work>_start_seconds_ours_compiled) and for both (<work>_int8_compiled_vs_<peer>,
+"ours_int8_compiled"), the BLEU of
 each system and the share of each other system's outputs equal to ours (<work>_same_as_ours_<system>);
 "models" names the folders compared (path, kind ours / hugging_face, context, languages).
 Writes peers.json and peers.png into --out: by default benchmarks/results for the shipped
@@ -96,6 +98,8 @@ from training.data import SHARED_DATA, read_lines
 SYSTEMS = ["ours", "ours_int8", "transformers", "ct2_float32", "ct2_int8"]
 PEERS = SYSTEMS[2:]
 COMPILED = "ours_compiled"  # ours with the compiled decode step (EngineConfig.compiled_decode)
+COMPILED_INT8 = "ours_int8_compiled"  # int8 weights with the compiled decode step: the service's default step
+SERVICE_COMPILED_ROWS = 64  # `python -m service` compiles decode steps of 1 to 64 rows by default
 QUICK_COMPILED_ROWS = 8  # --quick: a translator's compiled step at these row counts only (each is timed at start)
 BATCH_SENTENCES = 64
 NEW_TOKENS = 200
@@ -312,10 +316,12 @@ def translation(
         sizes = tuple(range(1, min(compiled_rows or slots, slots) + 1))
         engine_compiled = offline_engine(translator.folder, slots, compiled_decode=sizes)
         results[f"{work}_start_seconds_{COMPILED}"] = time.perf_counter() - started
+        engine_compiled_int8 = offline_engine(translator.folder, slots, "int8", compiled_decode=sizes)
         runs: dict[str, Callable[[list[str]], Outputs]] = {
             "ours": partial(engine_translate, engine, beam_size=beam),
             "ours_int8": partial(engine_translate, engine_int8, beam_size=beam),
             COMPILED: partial(engine_translate, engine_compiled, beam_size=beam),
+            COMPILED_INT8: partial(engine_translate, engine_compiled_int8, beam_size=beam),
             "transformers": partial(transformers_translate, hf_model, hf_tokenizer, beam_size=beam, max_len=translator.max_len),
             **{
                 name: partial(ct2_translate, model, encode, decode, beam_size=beam, max_len=translator.max_len, adds_eos=adds_eos)
@@ -395,13 +401,17 @@ def generation(generator: Compared, threads: int, batch_1_prompts: int, repeats:
         work = f"generate_batch_{batch_size}"
         engine, engine_int8 = (offline_engine(generator.folder, batch_size, w) for w in (torch.float32, "int8"))
         started = time.perf_counter()
-        engine_compiled = offline_engine(generator.folder, batch_size, compiled_decode=tuple(range(1, batch_size + 1)))
+        # Every row count a step decodes, a verification's row per token included (the service's sizes).
+        sizes = tuple(range(1, min(EngineConfig(n_slots=batch_size).max_decode_rows, SERVICE_COMPILED_ROWS) + 1))
+        engine_compiled = offline_engine(generator.folder, batch_size, compiled_decode=sizes)
         results[f"{work}_start_seconds_{COMPILED}"] = time.perf_counter() - started
+        engine_compiled_int8 = offline_engine(generator.folder, batch_size, "int8", compiled_decode=sizes)
         eos_ids = sorted(engine.runner.eos_ids)
         runs: dict[str, Callable[[list[str]], list[Generated]]] = {
             "ours": partial(engine_generate, engine),
             "ours_int8": partial(engine_generate, engine_int8),
             COMPILED: partial(engine_generate, engine_compiled),
+            COMPILED_INT8: partial(engine_generate, engine_compiled_int8),
             "transformers": partial(transformers_generate, hf_model, hf_tokenizer, eos_ids),
             **{name: partial(ct2_generate, model, encode, decode, eos_ids) for name, model in ct2.items()},
         }
@@ -436,7 +446,12 @@ def ratios(results: dict[str, float]) -> dict[str, float]:
         for unit in ["_sentences_per_s", "_tokens_per_s"]:
             if key.endswith(f"{unit}_ours"):
                 work = key[: -len(f"{unit}_ours")]
-                for ours, name in [("ours", work), ("ours_int8", f"{work}_int8"), (COMPILED, f"{work}_compiled")]:
+                for ours, name in [
+                    ("ours", work),
+                    ("ours_int8", f"{work}_int8"),
+                    (COMPILED, f"{work}_compiled"),
+                    (COMPILED_INT8, f"{work}_int8_compiled"),
+                ]:
                     if f"{work}{unit}_{ours}" not in results:
                         continue  # a run without it
                     for peer in PEERS:
@@ -457,7 +472,8 @@ def plot(results: dict[str, float], path: Path) -> None:
         ("generate_batch_1", "tokens_per_s", "generation, batch 1 (tokens/s)"),
         ("generate_batch_16", "tokens_per_s", "generation, batch 16 (tokens/s)"),
     ]
-    colors = dict(zip([*SYSTEMS, COMPILED], ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive", "tab:purple"], strict=True))
+    palette = ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:olive", "tab:purple", "tab:red"]
+    colors = dict(zip([*SYSTEMS, COMPILED, COMPILED_INT8], palette, strict=True))
     fig, axes = plt.subplots(2, 2, figsize=(12, 7))
     for ax, (work, unit, title) in zip(axes.flat, works, strict=True):
         systems = [s for s in colors if f"{work}_{unit}_{s}" in results]
@@ -568,7 +584,9 @@ def main() -> None:
         "ours_int8: int8 linear layers and output projection, one scale per token and per output channel (model/quantize.py)",
         f"{COMPILED}: ours with the decode step compiled by torch.compile at every batch size up to the work's (in translation: "
         "rows, each beam one), where its start measured it faster, one size timed per power-of-two bucket "
-        "(EngineConfig.compiled_decode; off by default in the service)",
+        "(EngineConfig.compiled_decode; the service's default); in generation every row count a step decodes "
+        "(a verification of drafts a row per token), as the service compiles them",
+        f"{COMPILED_INT8}: ours_int8 with the decode step compiled as {COMPILED}",
         f"translation: {BATCH_SENTENCES} sentences in flight for every system (our engine: {BATCH_SENTENCES} x beam size slots)",
         tokenization_note("translator", translator),
         tokenization_note("generator", generator),

@@ -243,15 +243,16 @@ def peers(name: str = "peers") -> str:
     for work, label in WORKS.items():
         unit = "sentences_per_s" if work.startswith("translate") else "tokens_per_s"
         cells = []
-        for system in ("ours", "ours_compiled", "ours_int8", "transformers", "ct2_float32", "ct2_int8"):
+        for system in ("ours", "ours_compiled", "ours_int8", "ours_int8_compiled", "transformers", "ct2_float32", "ct2_int8"):
             value, bleu = data.get(f"{work}_{unit}_{system}"), data.get(f"{work}_bleu_{system}")
-            cell = "-" if value is None else num(value)  # a run without ours_compiled in translation
+            cell = "-" if value is None else num(value)  # a run without ours_compiled (in translation) or ours_int8_compiled
             cells.append(cell if bleu is None else f"{cell} ({num(bleu, 2)})")
         ratios = [data[f"{work}_vs_transformers"], data[f"{work}_vs_ct2_float32"], data.get(f"{work}_compiled_vs_ct2_float32")]
-        ratios.append(data[f"{work}_int8_vs_ct2_int8"])
+        ratios += [data[f"{work}_int8_vs_ct2_int8"], data.get(f"{work}_int8_compiled_vs_ct2_int8")]
         rows.append([label, *cells, *("-" if r is None else num(r, 2) for r in ratios)])
-    header = ["work (1 thread)", "ours", "ours, compiled decode", "ours int8", "transformers", "CT2 float32", "CT2 int8"]
-    header += ["ours / transformers", "ours / CT2 float32", "ours compiled / CT2 float32", "ours int8 / CT2 int8"]
+    header = ["work (1 thread)", "ours", "ours, compiled decode", "ours int8", "ours int8, compiled decode", "transformers"]
+    header += ["CT2 float32", "CT2 int8", "ours / transformers", "ours / CT2 float32", "ours compiled / CT2 float32"]
+    header += ["ours int8 / CT2 int8", "ours int8 compiled / CT2 int8"]
     return table(header, rows) + measured_at(data)
 
 
@@ -723,7 +724,9 @@ REPORTS: dict[str, Callable[[], str]] = {
     "vs-vllm-tiny": vs_vllm_tiny,
     "vs-vllm-tiny-avx2": lambda: vs_vllm_tiny("vs_vllm_tiny_avx2"),
     "vs-vllm-speculation": vs_vllm_speculation,
+    "vs-vllm-speculation-avx2": lambda: vs_vllm_speculation("vs_vllm_speculation_avx2"),
     "vs-vllm-copy": lambda: vs_vllm_speculation("vs_vllm_copy", "--copy FOLDER "),
+    "vs-vllm-copy-avx2": lambda: vs_vllm_speculation("vs_vllm_copy_avx2", "--copy FOLDER "),
     "translator-drafting": translator_drafting,
     "gguf-llama-cpp": gguf_llama_cpp,
     "gguf-llama-cpp-avx2": lambda: gguf_llama_cpp("gguf_llama_cpp_avx2"),

@@ -83,7 +83,11 @@ def test_peers_quick_on_the_shipped_checkpoints(tmp_path: Path, monkeypatch: pyt
     for work in report.WORKS:
         assert all(figures[f"{work}_vs_{peer}"] > 0 for peer in peers.PEERS), work
     for work in ["generate_batch_1", "generate_batch_16"]:
-        assert figures[f"{work}_tokens_{peers.COMPILED}"] == figures[f"{work}_tokens_ours"]
+        assert (
+            figures[f"{work}_tokens_{peers.COMPILED}"] == figures[f"{work}_tokens_{peers.COMPILED_INT8}"] == figures[f"{work}_tokens_ours"]
+        )
+    for work in report.WORKS:  # int8 weights with the compiled step, as the service runs them
+        assert figures[f"{work}_int8_compiled_vs_ct2_int8"] > 0, work
     for work in report.WORKS:  # the compiled decode step, in translation at up to 8 rows
         assert figures[f"{work}_compiled_vs_ct2_float32"] > 0 and figures[f"{work}_start_seconds_{peers.COMPILED}"] > 0
         # Every system is fed the same inputs: the float32 ones make exactly our outputs.

@@ -152,6 +152,21 @@ def test_a_gguf_models_compiled_step_computes_its_eager_logits(
     model, _ = load_gguf(path)
     assert set_activation_bits(model, activation_bits) > 0
     pack_linear_layers(model)
+    assert_the_compiled_step_computes_the_eager_logits(model, monkeypatch)
+
+
+@torch.inference_mode()
+def test_an_int8_models_compiled_step_computes_its_eager_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linear layers quantized to int8 at load (model/quantize.py, the weights Engine.from_checkpoint
+    takes as "int8"): their kernel is an operation of the one graph, and its logits are the eager step's."""
+    model, _ = load_checkpoint(build_llama_folder(tmp_path / "llama", max_positions=128), "cpu", "int8")
+    assert isinstance(model, Generator)
+    assert_the_compiled_step_computes_the_eager_logits(model, monkeypatch)
+
+
+def assert_the_compiled_step_computes_the_eager_logits(model: Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """model's decode step compiled at batch 1 and 3 as one graph (no graph break), its logits
+    within 1e-4 of the eager step's over keys and values of earlier tokens in 3 blocks."""
     block_size, batch, length = 16, 3, 40
     config = model.config
     cache = PagedKVCache(config.n_layers, 16, block_size, config.kv_heads, config.head_dim, torch.device("cpu"), torch.float32)
