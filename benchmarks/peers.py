@@ -90,7 +90,7 @@ from exports.export import export_ct2, export_hf
 from loading.checkpoint import DEFAULT_GENERATOR, DEFAULT_TRANSLATOR, WeightType, load_config
 from loading.folder import CheckpointError, FolderInfo, ModelKind, inspect_folder, read_json
 from loading.tokenizer import Tokenizer
-from service.engine.config import EngineConfig, serving_context
+from service.engine.config import DEFAULT_COMPILED_DECODE, EngineConfig, serving_context
 from service.engine.engine import Engine
 from service.engine.request import GenerationParams, Request
 from training.data import SHARED_DATA, read_lines
@@ -99,7 +99,6 @@ SYSTEMS = ["ours", "ours_int8", "transformers", "ct2_float32", "ct2_int8"]
 PEERS = SYSTEMS[2:]
 COMPILED = "ours_compiled"  # ours with the compiled decode step (EngineConfig.compiled_decode)
 COMPILED_INT8 = "ours_int8_compiled"  # int8 weights with the compiled decode step: the service's default step
-SERVICE_COMPILED_ROWS = 64  # `python -m service` compiles decode steps of 1 to 64 rows by default
 QUICK_COMPILED_ROWS = 8  # --quick: a translator's compiled step at these row counts only (each is timed at start)
 BATCH_SENTENCES = 64
 NEW_TOKENS = 200
@@ -401,8 +400,7 @@ def generation(generator: Compared, threads: int, batch_1_prompts: int, repeats:
         work = f"generate_batch_{batch_size}"
         engine, engine_int8 = (offline_engine(generator.folder, batch_size, w) for w in (torch.float32, "int8"))
         started = time.perf_counter()
-        # Every row count a step decodes, a verification's row per token included (the service's sizes).
-        sizes = tuple(range(1, min(EngineConfig(n_slots=batch_size).max_decode_rows, SERVICE_COMPILED_ROWS) + 1))
+        sizes = EngineConfig(n_slots=batch_size).decode_sizes(DEFAULT_COMPILED_DECODE, decoder_only=True)  # the service's
         engine_compiled = offline_engine(generator.folder, batch_size, compiled_decode=sizes)
         results[f"{work}_start_seconds_{COMPILED}"] = time.perf_counter() - started
         engine_compiled_int8 = offline_engine(generator.folder, batch_size, "int8", compiled_decode=sizes)

@@ -28,14 +28,10 @@ from pydantic import ValidationError
 
 from model.config import Quantization
 from service.config import LOCAL_RAY_ENVIRONMENT, RAY_ENVIRONMENT, ModelServingConfig, ServiceConfig
-from service.engine.config import EngineConfig, parse_batch_sizes
+from service.engine.config import DEFAULT_COMPILED_DECODE, EngineConfig, parse_batch_sizes
 from service.ports import free_port
 
 API_KEYS_ENV = "SERVING_API_KEYS"  # not a flag: a process's arguments are visible to every user
-# Decode steps of up to 64 rows compiled where that measures faster (1.07-1.31x a step on SmolLM2-135M's
-# shape, speculation's verifications of up to 8 x 5 rows among them; docs/performance.md); CUDA devices
-# run CUDA graphs instead.
-DEFAULT_COMPILED_DECODE = tuple(range(1, 65))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -162,8 +158,7 @@ def service_config(args: argparse.Namespace) -> ServiceConfig:
             engine = replace(engine, num_speculative_tokens=args.speculative_tokens)
         if args.compiled_decode:  # the sizes a model's decode steps have (a generator's verifications: a row per token)
             # compiled on a thread of its own while the replica serves eagerly
-            rows = engine.max_decode_rows if model.kind == "generator" else engine.n_slots
-            sizes = tuple(b for b in args.compiled_decode if b <= rows)
+            sizes = engine.decode_sizes(args.compiled_decode, decoder_only=model.kind == "generator")
             engine = replace(engine, compiled_decode=sizes, compile_in_background=True)
         update = {"deployment": deployment, "engine": engine, "device": args.device, "torch_threads": args.torch_threads}
         if args.stream_interval_ms is not None:

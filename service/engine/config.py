@@ -157,6 +157,18 @@ class EngineConfig:
         per token verified (1 + num_speculative_tokens for each of up to speculation_max_batch sequences)."""
         return max(self.n_slots, min(self.n_slots, self.speculation_max_batch) * (1 + self.num_speculative_tokens))
 
+    def decode_sizes(self, sizes: tuple[int, ...], decoder_only: bool) -> tuple[int, ...]:
+        """Of sizes, the row counts this engine's decode steps have: up to max_decode_rows for a
+        decoder-only model (a verification of drafts, a row per token), up to n_slots for a translator."""
+        rows = self.max_decode_rows if decoder_only else self.n_slots
+        return tuple(b for b in sizes if b <= rows)
+
+
+# Decode steps of up to 64 rows compiled where that measures faster (1.07-1.31x a step on SmolLM2-135M's
+# shape, speculation's verifications of up to 8 x 5 rows among them; docs/performance.md): `python -m
+# service`'s default; CUDA devices run CUDA graphs instead.
+DEFAULT_COMPILED_DECODE = tuple(range(1, 65))
+
 
 # The KV pool's default ceiling when neither kv_cache_bytes nor kv_cache_memory_fraction is set
 # (vLLM's CPU build reserves 4 GiB by default; a replica here shares 24 GB with others).
